@@ -1,0 +1,162 @@
+"""Run-folder bookkeeping for recast.py: atomic checkpoints, metrics.jsonl, args.json.
+
+A checkpoint is a folder `ckpt/epoch_XXXX/` holding `model.safetensors` (trained and old policy),
+`optim.pt` (optimizer), and `state.json` (epoch, gain EMA, step count, RNG states, and the SHA-256
+of the two other files). It is written under a temporary name and renamed into place, so a
+checkpoint folder either exists whole or not at all; `state.json` is written last and its hashes
+catch a file truncated or corrupted later. The newest two are kept: if the newest does not verify,
+the one before it is used.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+KEEP = 2
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    """Global RNG states (python, numpy, torch CPU), JSON-serialisable."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, mt, py_gauss = random.getstate()
+    return {
+        "python": [version, list(mt), py_gauss],
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+        "torch": torch.random.get_rng_state().tolist(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, mt, py_gauss = state["python"]
+    random.setstate((version, tuple(mt), py_gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.random.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def save(
+    run_dir: str, epoch: int, tensors: dict[str, torch.Tensor], optim: dict, state: dict
+) -> str:
+    """Write ckpt/epoch_{epoch:04d} atomically; prune to the newest KEEP. Returns its path."""
+    root = os.path.join(run_dir, "ckpt")
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, f"epoch_{epoch:04d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        os.path.join(tmp, "model.safetensors"),
+    )
+    torch.save(optim, os.path.join(tmp, "optim.pt"))
+    for name in ("model.safetensors", "optim.pt"):
+        with open(os.path.join(tmp, name), "rb+") as f:
+            os.fsync(f.fileno())
+    state = dict(
+        state,
+        epoch=epoch,
+        rng=rng_state(),
+        sha256={
+            name: _sha256(os.path.join(tmp, name)) for name in ("model.safetensors", "optim.pt")
+        },
+    )
+    write_json_atomic(os.path.join(tmp, "state.json"), state)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in sorted(
+        d for d in os.listdir(root) if d.startswith("epoch_") and not d.endswith(".tmp")
+    )[:-KEEP]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
+    """(tensors, optim, state) of the newest checkpoint that verifies, or None if there is none."""
+    root = os.path.join(run_dir, "ckpt")
+    if not os.path.isdir(root):
+        return None
+    for name in sorted(
+        (d for d in os.listdir(root) if d.startswith("epoch_") and not d.endswith(".tmp")),
+        reverse=True,
+    ):
+        path = os.path.join(root, name)
+        try:
+            with open(os.path.join(path, "state.json")) as f:
+                state = json.load(f)
+            for file, digest in state["sha256"].items():
+                if _sha256(os.path.join(path, file)) != digest:
+                    raise ValueError(
+                        f"{file} does not match its recorded SHA-256 (truncated or corrupt)"
+                    )
+            tensors = load_file(os.path.join(path, "model.safetensors"))
+            optim = torch.load(os.path.join(path, "optim.pt"), weights_only=True)
+        except (
+            Exception
+        ) as e:  # any unreadable checkpoint: say so and fall back to the previous one
+            log(f"checkpoint {path} is unusable ({type(e).__name__}: {e}); trying the previous one")
+            continue
+        return tensors, optim, state
+    return None
+
+
+def read_metrics(run_dir: str, upto_epoch: int) -> list[dict]:
+    """metrics.jsonl lines with epoch <= upto_epoch (a line cut by a kill is dropped)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    lines = []
+    with open(path) as f:
+        for line in f:
+            try:
+                m = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if m["epoch"] <= upto_epoch:
+                lines.append(m)
+    return lines
+
+
+def rewrite_metrics(run_dir: str, lines: list[dict]) -> None:
+    tmp = os.path.join(run_dir, "metrics.jsonl.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    os.replace(tmp, os.path.join(run_dir, "metrics.jsonl"))
+
+
+def append_metrics(run_dir: str, m: dict) -> None:
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(m) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
