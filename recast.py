@@ -8,7 +8,7 @@ ReCAST decides *when* during denoising each reward's feedback is spent. Every ep
      ("positive") policy and the current one, as far as step i has decided it; its increments are
      the gains g_k,i. Sinkhorn turns them into W (K × T): rows sum to λ, columns to 1/T, and each
      reward's budget goes to the steps where it is informative;
-  4. DiffusionNFT's loss at every (image, timestep) pair, the rewards mixed by that step's column of W;
+  4. DiffusionNFT's loss at every (image, timestep) pair, rewards mixed by that step's column of W;
   5. the old (sampling) policy moves towards the trained one (EMA);
   6. eval on held-out prompts, log, pictures, checkpoint.
 DESIGN.md gives every formula; the phases below carry its section numbers.
@@ -23,17 +23,14 @@ Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion R
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).
 """
 
-import argparse
-import ast
-import inspect
-import json
+import hashlib
 import math
 import os
 import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -41,6 +38,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import checkpoint
+import cli
+import plots
 import rewards
 from kernels.nft_loss import nft_loss
 from kernels.renyi import group_optimality, renyi_gains
@@ -50,7 +49,7 @@ from kernels.renyi import group_optimality, renyi_gains
 class Args:
     # --- what to train, on what ---
     lam: str = ""
-    """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised to sum 1)"""
+    """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
     rewards: str = "position,color,sharpness,background"
     """comma-separated reward names from rewards.py (default: the four toy rewards)"""
     model: str = "toy"
@@ -126,137 +125,8 @@ class Args:
     """epochs between checkpoints (and always the last)"""
 
 
-# Arguments that may change on --resume; every other one defines the method and must match.
+# Flags that may change on --resume; every other one defines the method and must match.
 RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every"}
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each dataclass field (the help text of its flag)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    return {
-        a.target.id: b.value.value.strip()
-        for a, b in zip(body, body[1:], strict=False)
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
-    }
-
-
-def parse_args(argv: list[str] | None = None) -> Args:
-    docs = field_docs(Args)
-    ap = argparse.ArgumentParser(
-        prog="recast.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    for f in fields(Args):
-        flag = "--lambda" if f.name == "lam" else "--" + f.name.replace("_", "-")
-        kw = dict(dest=f.name, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
-        if f.type is bool:
-            ap.add_argument(flag, action="store_true", **kw)
-        elif f.name == "weighting":
-            ap.add_argument(flag, choices=["recast", "uniform", "sum"], **kw)
-        else:
-            ap.add_argument(flag, type=f.type, **kw)
-    return Args(**vars(ap.parse_args(argv)))
-
-
-def fail(flag: str, message: str):
-    """Bad input: one line naming the flag and the fix, exit code 2, nothing written."""
-    print(f"recast.py: error: {flag}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_lambda(text: str, names: list[str]) -> torch.Tensor:
-    example = ",".join(["0.25"] * len(names))
-    if not text.strip():
-        fail(
-            "--lambda", f"give one budget per reward ({', '.join(names)}), e.g. --lambda {example}"
-        )
-    try:
-        lam = torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
-    except ValueError:
-        fail(
-            "--lambda",
-            f"{text!r} is not a comma-separated list of numbers, e.g. --lambda {example}",
-        )
-    if len(lam) != len(names):
-        fail(
-            "--lambda",
-            f"{len(lam)} budgets for {len(names)} rewards ({', '.join(names)}); give one each",
-        )
-    if not torch.isfinite(lam).all() or (lam < 0).any():
-        fail("--lambda", f"budgets must be finite and ≥ 0, got {text!r}")
-    if lam.sum() == 0:
-        fail("--lambda", "all budgets are 0: give at least one reward a positive budget")
-    if abs(lam.sum().item() - 1) > 1e-9:
-        print(
-            f"note: --lambda {text} sums to {lam.sum().item():g}; normalised to {(lam / lam.sum()).tolist()}"
-        )
-    return lam / lam.sum()
-
-
-def check_args(args: Args, world_size: int) -> None:
-    """Everything that can be checked before a model is loaded or a file written."""
-    positive = [
-        "prompts",
-        "group_size",
-        "steps",
-        "batch_size",
-        "eval_seeds",
-        "eval_every",
-        "ckpt_every",
-        "gain_every",
-    ]
-    for name in positive:
-        if getattr(args, name) < 1:
-            fail("--" + name.replace("_", "-"), f"must be ≥ 1, got {getattr(args, name)}")
-    if args.epochs < 0:
-        fail("--epochs", f"must be ≥ 0, got {args.epochs}")
-    if args.group_size < 2:
-        fail("--group-size", "needs ≥ 2 images per prompt to compare them within a group")
-    if args.steps < 2:
-        fail("--steps", "needs ≥ 2 sampler steps")
-    for name, lo, hi in [
-        ("alpha", 0, math.inf),
-        ("tau", 0, math.inf),
-        ("beta", 0, math.inf),
-        ("lr", 0, math.inf),
-        ("adv_clip_max", 0, math.inf),
-    ]:
-        if not lo < getattr(args, name) < hi:
-            fail("--" + name.replace("_", "-"), f"must be > 0, got {getattr(args, name)}")
-    for name in ["floor", "gain_frac"]:
-        if not 0 < getattr(args, name) <= 1:
-            fail("--" + name.replace("_", "-"), f"must be in (0, 1], got {getattr(args, name)}")
-    for name in ["gain_ema", "decay_rate", "decay_cap", "kl_coef"]:
-        if not 0 <= getattr(args, name) < (1 if name in ("gain_ema", "decay_cap") else math.inf):
-            fail("--" + name.replace("_", "-"), f"out of range: {getattr(args, name)}")
-    if args.prompts % world_size or args.batch_size % world_size:
-        fail(
-            "--prompts/--batch-size", f"must be divisible by the number of processes ({world_size})"
-        )
-    if args.out and os.path.exists(args.out) and not args.resume:
-        fail(
-            "--out",
-            f"{args.out} exists; add --resume to continue that run, or choose another --out",
-        )
-    if args.resume:
-        if not args.out:
-            fail("--resume", "needs --out, the run folder to continue")
-        saved = os.path.join(args.out, "args.json")
-        if not os.path.isfile(saved):
-            fail(
-                "--resume",
-                f"{args.out} is not a run folder (no args.json); start a new run without --resume",
-            )
-        with open(saved) as f:
-            before = json.load(f)
-        differ = [k for k, v in asdict(args).items() if k not in RESUMABLE and before.get(k) != v]
-        if differ:
-            changes = ", ".join(
-                f"--{k.replace('_', '-')} {before.get(k)!r} → {getattr(args, k)!r}" for k in differ
-            )
-            fail(
-                "--resume",
-                f"method-defining arguments differ from the run's args.json: {changes}; drop them or start a new --out",
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +234,30 @@ def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def mean_all(x: torch.Tensor) -> float:
+    """Mean of x's elements over every rank; ranks may hold different numbers (eval shares)."""
+    total = torch.stack([x.double().sum(), x.new_tensor(x.numel(), dtype=torch.float64)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def same_on_all_ranks(tensors: dict[str, torch.Tensor], when: str) -> str:
+    """SHA-256 of the tensors' bytes, key by key; a RuntimeError unless every rank's is the same.
+    DDP averages gradients whatever each rank holds, so a rank that drifted (its own W, weights
+    initialised from its own seed) would train on silently: this is what catches it."""
+    digest = hashlib.sha256()
+    for k in sorted(tensors):
+        digest.update(k.encode())
+        digest.update(tensors[k].detach().cpu().contiguous().flatten().view(torch.uint8).numpy())
+    mine, digests = digest.hexdigest(), [None] * dist.get_world_size()
+    dist.all_gather_object(digests, mine)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"ranks {differ} hold another W or other weights than rank 0 {when}")
+    return mine
+
+
 def epoch_generator(seed: int, epoch: int, purpose: int) -> torch.Generator:
     """Every random draw of an epoch comes from generators seeded by (seed, epoch, purpose): the
     same on every rank and after a resume, which is what makes resume exact."""
@@ -372,37 +266,50 @@ def epoch_generator(seed: int, epoch: int, purpose: int) -> torch.Generator:
 
 def is_toy_model(path: str) -> bool:
     """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
-    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(
-        os.path.join(path, "model_index.json")
-    )
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    return has("config.json") and not has("model_index.json")
+
+
+def load_world(args: Args, device: torch.device):
+    """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
+    if args.model == "toy" or is_toy_model(args.model):
+        import toyworld
+
+        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
+    import sd3world
+
+    try:
+        return sd3world.SD3World(args, device)
+    except (OSError, ValueError) as e:
+        cli.fail("--model", f"could not load {args.model!r}: {e}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = cli.parse(Args, argv, __doc__, {"weighting": ["recast", "uniform", "sum"]})
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ.get("WORLD_SIZE", 1)) if distributed else 1
-    check_args(args, world_size)
-    names = [n.strip() for n in args.rewards.split(",") if n.strip()]
-    unknown = [n for n in names if n not in rewards.REWARDS and n not in rewards.LOADERS]
-    if not names or unknown:
-        fail(
-            "--rewards",
-            f"unknown reward {', '.join(unknown) or '(none given)'}; choose from {', '.join([*rewards.REWARDS, *rewards.LOADERS])}",
-        )
-    lam = parse_lambda(args.lam, names)  # (K,) float64, sums to 1
+    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    cli.check(args, world_size, RESUMABLE)
+    names = rewards.expand(args.rewards)  # presets such as paper1 become their rewards
+    known = [*rewards.REWARDS, *rewards.LOADERS]
+    if not names or any(n not in known for n in names):
+        bad = ", ".join(n for n in names if n not in known) or "(none)"
+        choices = ", ".join([*known, *rewards.PRESETS])
+        cli.fail("--rewards", f"unknown reward {bad}; choose from {choices}")
+    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
     K, T, G = len(names), args.steps, args.group_size
     if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
-        fail("--model", f"{args.model!r} is neither 'toy', a folder, nor a hub id 'org/name'")
+        cli.fail("--model", f"{args.model!r} is not 'toy', a folder, or a hub id 'org/name'")
+    if args.model != "toy" and not is_toy_model(args.model):
+        import sd3world
+
+        sd3world.check(args, names)  # --rewards, --prompts-file
 
     # --- processes, device, seeding ---
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
     if distributed:
-        dist.init_process_group(
-            "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
-        )
+        dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if distributed else 0
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -411,35 +318,27 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed + rank)
     log = print if rank == 0 else (lambda *a, **k: None)
 
-    # --- the world: models, prompts, rewards (loaded before anything is written) ---
-    if args.model == "toy" or is_toy_model(args.model):
-        import toyworld
-
-        world = toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    else:
-        import sd3world
-
-        try:
-            world = sd3world.SD3World(args, device)
-        except (OSError, ValueError) as e:
-            fail("--model", f"could not load {args.model!r}: {e}")
-    reward_fns = {n: rewards.get(n, device) for n in names}
-    scorers = {**reward_fns, **{n: rewards.get(n, device) for n in world.judge_names}}
-    sigmas = world.sigmas(T)  # (T+1,) t_0 = 1 … t_T = 0
+    # --- world, rewards, optimizer: all loaded before anything is written ---
+    world = load_world(args, device)
+    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
+        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
+                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
+    try:  # a reward model missing (file, package, hub access) is bad input too
+        reward_fns = {n: rewards.get(n, device) for n in names}
+        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in world.judge_names}}
+    except (ImportError, OSError, ValueError) as e:
+        cli.fail("--rewards", f"could not load a reward model: {e}")
+    sigmas = world.sigmas(T)  # (T+1,): t_0 = 1 > … > t_T = 0
     if distributed:
-        world.policy = torch.nn.parallel.DistributedDataParallel(
-            world.trainable, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    optimizer = torch.optim.AdamW(
-        [p for p in world.trainable.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0
-    )
-    Wtrain_rows = 1 if args.weighting == "sum" else K
+        ids = [device.index] if device.type == "cuda" else None
+        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
-    # --- run folder ---
-    out = args.out or os.path.join(
+    # --- run folder: new, or resumed from its last good checkpoint ---
+    args.out = out = args.out or os.path.join(
         "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{args.weighting}-s{args.seed}"
     )
-    args.out = out
     start_epoch, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = checkpoint.load_latest(out, log)
@@ -449,290 +348,233 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.load_state_dict(optim_state)
             checkpoint.set_rng_state(state["rng"])
             start_epoch, opt_steps = state["epoch"] + 1, state["opt_steps"]
-            gains_ema = torch.tensor(state["gains_ema"]) if state["gains_ema"] is not None else None
+            if state["gains_ema"] is not None:
+                gains_ema = torch.tensor(state["gains_ema"], dtype=torch.float64)
             log(f"resuming {out} after epoch {state['epoch']}")
         history = checkpoint.read_metrics(out, start_epoch - 1)
     if rank == 0:
         os.makedirs(out, exist_ok=True)
         checkpoint.write_json_atomic(os.path.join(out, "args.json"), asdict(args))
         checkpoint.rewrite_metrics(out, history)
-    import plots
 
-    # --- fixed eval set: held-out prompts × eval_seeds, fixed noise; this rank's share ---
+    # --- fixed eval set: held-out prompts × eval_seeds, fixed noise; each rank scores a share ---
     eval_prompts = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
-    eval_noise = torch.randn(
-        len(eval_prompts), *world.latent_shape, generator=torch.Generator().manual_seed(EVAL_SEED)
-    )
+    eval_gen = torch.Generator().manual_seed(EVAL_SEED)
+    eval_noise = torch.randn(len(eval_prompts), *world.latent_shape, generator=eval_gen)
     share = slice(
         rank * len(eval_prompts) // world_size, (rank + 1) * len(eval_prompts) // world_size
     )
-    ideal = world.ideal(eval_prompts[share])
+    ideal = world.ideal(eval_prompts[share])  # None where there is no ideal rendering
 
-    def run_eval(which="policy"):
+    def run_eval(which: str = "policy"):
         means, images = evaluate(
             world, scorers, eval_prompts[share], eval_noise[share], sigmas, args.batch_size, which
         )
-        return {k: gather(v.to(device)).mean().item() for k, v in means.items()}, images
+        return {k: mean_all(v.to(device)) for k, v in means.items()}, images
 
     if ideal is not None:
-        ideal_scores = {
-            k: gather(rewards.score(k, fn, ideal, eval_prompts[share]).to(device)).mean().item()
-            for k, fn in scorers.items()
+        ideal_eval = {
+            k: mean_all(v.to(device))
+            for k, v in (
+                (k, rewards.score(k, fn, ideal, eval_prompts[share])) for k, fn in scorers.items()
+            )
         }
+    base_images = None
     if history:
         base_eval = {k[5:]: v for k, v in history[0].items() if k.startswith("eval/")}
-        base_images = None
     else:  # epoch 0: the base model, before any training
         base_eval, base_images = run_eval("ref")
-        first = {"epoch": 0, **{f"eval/{k}": v for k, v in base_eval.items()}}
+        history.append({"epoch": 0, **{f"eval/{k}": v for k, v in base_eval.items()}})
         if ideal is not None:
-            first.update({f"ideal/{k}": v for k, v in ideal_scores.items()})
+            history[0].update({f"ideal/{k}": v for k, v in ideal_eval.items()})
         if rank == 0:
-            checkpoint.append_metrics(out, first)
-        history.append(first)
-        log("epoch 0 | " + " ".join(f"eval/{k} {v:.4f}" for k, v in base_eval.items()))
+            checkpoint.append_metrics(out, history[0])
+        log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in base_eval.items()))
 
-    # SIGINT: finish the current epoch, checkpoint, exit; a second SIGINT aborts at once.
-    stop = {"asked": False}
+    # SIGINT finishes the epoch, checkpoints and exits; a second SIGINT aborts at once.
+    stop = []
 
     def on_sigint(signum, frame):
-        if stop["asked"]:
+        if stop:
             raise KeyboardInterrupt
-        stop["asked"] = True
-        log(
-            "\ninterrupt: finishing this epoch, then checkpointing and exiting (Ctrl-C again: abort now, losing this epoch)"
-        )
+        stop.append(signum)
+        log("\ninterrupt: finishing this epoch, then saving (Ctrl-C again: abort, lose the epoch)")
 
     signal.signal(signal.SIGINT, on_sigint)
-    P_local = args.prompts // world_size
+    P_local = args.prompts // world_size  # this rank's prompt groups
+    bar = dict(leave=False, disable=rank > 0)
     for epoch in range(start_epoch, args.epochs + 1):
         metrics, tic = {"epoch": epoch}, time.perf_counter()
         # ---- 1. rollout: P prompts × G images with the old policy (DESIGN §2) ----
         g_prompts, g_noise, g_train = (epoch_generator(args.seed, epoch, k) for k in range(3))
         idx = torch.randint(len(world.train_prompts), (args.prompts,), generator=g_prompts)
-        prompts = [world.train_prompts[i] for i in idx]  # all ranks' prompts, rank-major
-        noise = torch.randn(
-            args.prompts * G, *world.latent_shape, generator=g_noise
-        )  # (N, C, H, W)
-        mine = slice(rank * P_local, (rank + 1) * P_local)  # this rank's prompts (whole groups)
-        my_prompts = prompts[mine]
+        prompts = [world.train_prompts[i] for i in idx]  # every rank's, rank-major
+        noise = torch.randn(args.prompts * G, *world.latent_shape, generator=g_noise)
+        my_prompts = prompts[rank * P_local : (rank + 1) * P_local]
         my_noise = noise[rank * P_local * G : (rank + 1) * P_local * G].to(device)
-        cond = world.encode(my_prompts)  # per prompt; image n belongs to prompt n // G
-        x0_parts, pred_parts = [], []
-        for s in tqdm(
-            range(0, P_local * G, args.batch_size),
-            desc=f"epoch {epoch} rollout",
-            leave=False,
-            disable=rank > 0,
-        ):
+        my_cond = world.encode(my_prompts)  # per prompt: image n belongs to prompt n // G
+        x0, preds = [], []
+        for s in tqdm(range(0, P_local * G, args.batch_size), f"epoch {epoch} rollout", **bar):
             n = torch.arange(s, min(s + args.batch_size, P_local * G), device=device)
-            x0, preds = sample(
-                lambda x, c, t: world.v("old", x, c, t),
-                my_noise[n],
-                tuple(c[n // G] for c in cond),
-                sigmas,
-            )
-            x0_parts.append(x0)
-            pred_parts.append(preds)
-        x0, preds = torch.cat(x0_parts), torch.cat(pred_parts, 1)  # (n, C, H, W), (T, n, C, H, W)
+            old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
+            x, pred = sample(old, my_noise[n], tuple(c[n // G] for c in my_cond), sigmas)
+            x0.append(x)
+            preds.append(pred)
+        x0, preds = torch.cat(x0), torch.cat(preds, 1)  # (n, C, H, W), (T, n, C, H, W)
         metrics["time/rollout"] = time.perf_counter() - tic
 
         # ---- 2. rewards → optimality r per reward and group (DESIGN §3) ----
         tic = time.perf_counter()
-        prompts_per_image = [p for p in my_prompts for _ in range(G)]
-        images = world.decode(x0)
-        final = score_all(reward_fns, images, prompts_per_image)  # (K, n)
-        score_gains = (epoch - 1) % args.gain_every == 0
-        if (
-            score_gains
-        ):  # reward k on every step prediction of the first gain_frac of this rank's groups
-            n_sub = max(1, round(args.gain_frac * P_local)) * G
-            per_step = torch.stack(
-                [
-                    score_all(reward_fns, world.decode(preds[i, :n_sub]), prompts_per_image[:n_sub])
-                    for i in range(T)
-                ],
-                1,
-            )
-            scores_all = gather(
-                torch.cat([per_step, final[:, None, :n_sub]], 1).to(device)
-            )  # (K, T+1, N_sub)
-        final = gather(final.to(device))  # (K, N): every rank sees every group from here on
-        x0 = gather(x0, 0)
-        r = group_optimality(final, G, args.adv_clip_max)  # (K, N) in [0, 1]
-        if args.weighting == "sum":  # DiffusionNFT's multi-reward rule: one reward Σ λ_k s_k
-            r_train = group_optimality(
-                (lam.to(final) @ final)[None], G, args.adv_clip_max
-            )  # (1, N)
+        per_image = [p for p in my_prompts for _ in range(G)]
+        final = score_all(reward_fns, world.decode(x0), per_image)  # (K, n)
+        score_steps = (epoch - 1) % args.gain_every == 0
+        if score_steps:  # reward k on every step prediction of the first gain_frac of the groups
+            m = max(1, round(args.gain_frac * P_local)) * G
+            steps = [score_all(reward_fns, world.decode(p[:m]), per_image[:m]) for p in preds]
+            step_scores = gather(torch.stack([*steps, final[:, :m]], 1))  # (K, T+1, N_sub)
+        final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group: (K, N)
+        if args.weighting == "sum":  # DiffusionNFT's rule: one reward Σ_k λ_k s_k, W = 1/T
+            r = group_optimality((lam.to(final) @ final)[None], G, args.adv_clip_max)  # (1, N)
         else:
-            r_train = r
-        spread = final.view(K, -1, G).std(2, unbiased=False)
+            r = group_optimality(final, G, args.adv_clip_max)  # (K, N) in [0, 1]
         metrics.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
-        metrics["groups/constant"] = int((spread == 0).sum())
+        metrics["groups/constant"] = int((final.view(K, -1, G).std(2) == 0).sum())
         metrics["time/score"] = time.perf_counter() - tic
 
-        # ---- 3. gains (DESIGN §4), their EMA, and W (DESIGN §5) ----
+        # ---- 3. gains (DESIGN §4), their EMA across epochs, and W (DESIGN §5) ----
         tic = time.perf_counter()
-        if score_gains:
-            D, gains = renyi_gains(scores_all, G, args.alpha, args.adv_clip_max)  # (K, T+1), (K, T)
+        if score_steps:
+            D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)  # (K,T+1), (K,T)
             gains = gains.double().cpu()
-            gains_ema = (
-                gains
-                if gains_ema is None
-                else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
-            )
+            ema = args.gain_ema if gains_ema is not None else 0.0
+            gains_ema = gains if gains_ema is None else ema * gains_ema + (1 - ema) * gains
             metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
         if args.weighting == "recast":
             W = recast_weights(gains_ema, lam, args.tau, args.floor)
         else:
             W = (lam[:, None] / T).expand(K, T).float()
-        W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # (K', T)
+        W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
         metrics["W"] = W.tolist()
         metrics["time/weights"] = time.perf_counter() - tic
 
         # ---- 4. NFT update at every (image, timestep) pair, each with its own r̄ (DESIGN §6) ----
         tic = time.perf_counter()
-        N = x0.shape[0]
-        all_prompts_cond = world.encode(prompts)  # (P, ...) for the images any rank trains on
-        pairs = torch.randperm(
-            N * T, generator=g_train
-        )  # image n = pair // T, timestep i = pair % T
-        losses = []
-        for s in tqdm(
-            range(0, N * T, args.batch_size),
-            desc=f"epoch {epoch} update",
-            leave=False,
-            disable=rank > 0,
-        ):
+        N, losses = x0.shape[0], []
+        cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
+        pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
+        for s in tqdm(range(0, N * T, args.batch_size), f"epoch {epoch} update", **bar):
             batch = pairs[s : s + args.batch_size]
-            eps = torch.randn(
-                len(batch), *world.latent_shape, generator=g_train
-            )  # fresh ε per pair
-            lo, hi = rank * len(batch) // world_size, (rank + 1) * len(batch) // world_size
-            n, i = (
-                (batch[lo:hi] // T).to(device),
-                (batch[lo:hi] % T).to(device),
-            )  # the index travels with its timestep
-            t, eps = sigmas[i], eps[lo:hi].to(device)
+            eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
+            mine = slice(rank * len(batch) // world_size, (rank + 1) * len(batch) // world_size)
+            n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
+            t, eps = sigmas[i], eps[mine].to(device)
             x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
-            c = tuple(cc[n // G] for cc in all_prompts_cond)
+            c = tuple(cc[n // G] for cc in cond)
             v_theta = world.v("policy", x_t, c, t)
             with torch.no_grad():
                 v_old = world.v("old", x_t, c, t)
                 v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-            loss = nft_loss(
-                v_theta,
-                v_old,
-                x0[n],
-                eps,
-                t,
-                i,
-                r_train[:, n].T.contiguous(),
-                W_train.to(device),
-                args.beta,
-                args.adv_clip_max,
-                v_ref,
-                args.kl_coef,
-            )
-            if not torch.isfinite(loss):
+            loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W_train.to(device),
+                            args.beta, args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+            if not torch.isfinite(
+                loss
+            ):  # nothing of this epoch is saved: the last checkpoint stays
                 raise FloatingPointError(
-                    f"loss is {loss.item()} at epoch {epoch}, step {opt_steps}; weights not saved — the last good checkpoint in {out}/ckpt is kept"
+                    f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
+                    f"weights not saved, the last good checkpoint in {out}/ckpt is kept"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(world.trainable.parameters(), args.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             optimizer.step()
             opt_steps += 1
             losses.append(loss.detach())
-        metrics["loss"] = gather(torch.stack(losses).mean()[None].to(device)).mean().item()
+        metrics["loss"] = gather(torch.stack(losses).mean()[None]).mean().item()
         metrics["time/update"] = time.perf_counter() - tic
 
         # ---- 5. old policy ← EMA of the trained weights (DESIGN §6) ----
-        decay = min(args.decay_rate * opt_steps, args.decay_cap)
+        metrics["decay"] = decay = min(args.decay_rate * opt_steps, args.decay_cap)
         world.update_old(decay)
-        metrics["decay"] = decay
+        if distributed:  # every rank holds the same W, θ and θ_old, bit for bit
+            held = {"W": W, **world.state_dict()}
+            metrics["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
 
         # ---- 6. eval, log, pictures, checkpoint ----
-        last = epoch == args.epochs or stop["asked"]
+        last = epoch == args.epochs or bool(stop)
         if epoch % args.eval_every == 0 or last:
             tic = time.perf_counter()
             ev, latest_images = run_eval()
             metrics.update({f"eval/{k}": v for k, v in ev.items()})
-            if ideal is not None:
-                gap = {k: (ev[k] - base_eval[k]) / (ideal_scores[k] - base_eval[k]) for k in ev}
+            if ideal is not None:  # fraction of the base → ideal-rendering gap closed
+                gap = {k: (ev[k] - base_eval[k]) / (ideal_eval[k] - base_eval[k]) for k in ev}
                 metrics.update({f"gap/{k}": v for k, v in gap.items()})
                 metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
             metrics["time/eval"] = time.perf_counter() - tic
             if rank == 0:
-                if base_images is None:
-                    _, base_images = run_eval("ref")
-                rows = min(8, len(latest_images) // args.eval_seeds)  # the first held-out prompts
-                shown = rows * args.eval_seeds
-                panels = {
-                    "base model": base_images[:shown],
-                    f"epoch {epoch}": latest_images[:shown],
-                }
-                if ideal is not None:
-                    panels["ideal rendering"] = ideal[: shown : args.eval_seeds]
-                plots.save_samples_figure(
-                    os.path.join(out, "samples.png"), panels, world.eval_prompts[:rows]
+                if base_images is None:  # resumed: redraw, unscored, as no other rank is here
+                    _, base_images = evaluate(world, {}, eval_prompts[share], eval_noise[share],
+                                              sigmas, args.batch_size, "ref")  # fmt: skip
+                save_samples(
+                    out, base_images, latest_images, ideal, world.eval_prompts, epoch, args
                 )
-        for k in list(metrics):
-            if isinstance(metrics[k], float) and not math.isfinite(metrics[k]):
-                raise FloatingPointError(
-                    f"{k} is {metrics[k]} at epoch {epoch}; the last good checkpoint in {out}/ckpt is kept"
-                )
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            raise FloatingPointError(f"{bad[0]} is {metrics[bad[0]]} at epoch {epoch}; "
+                                     f"the last good checkpoint in {out}/ckpt is kept")  # fmt: skip
+        history.append(metrics)
         if rank == 0:
             checkpoint.append_metrics(out, metrics)
             plots.save_weights_figure(
-                os.path.join(out, "W.png"),
-                W,
-                gain_profiles(gains_ema, args.floor),
-                lam,
-                names,
-                sigmas.cpu(),
-                f"epoch {epoch}  ·  --weighting {args.weighting}",
-            )
+                os.path.join(out, "W.png"), W, gain_profiles(gains_ema, args.floor), lam, names,
+                sigmas.cpu(), f"epoch {epoch}  ·  --weighting {args.weighting}",
+            )  # fmt: skip
             if epoch % args.ckpt_every == 0 or last:
-                state = {
-                    "opt_steps": opt_steps,
-                    "gains_ema": gains_ema.tolist() if gains_ema is not None else None,
-                }
+                gains_list = gains_ema.tolist() if gains_ema is not None else None
+                state = {"opt_steps": opt_steps, "gains_ema": gains_list}
                 checkpoint.save(out, epoch, world.state_dict(), optimizer.state_dict(), state)
-        history.append(metrics)
-        log(
-            f"epoch {epoch:3d} | "
-            + " ".join(f"reward/{n} {metrics[f'reward/{n}']:+.4f}" for n in names)
-            + f" | loss {metrics['loss']:.4f} | centroid(W) "
-            + " ".join(f"{c:.1f}" for c in centroid(W).tolist())
-            + (
-                f" | gap/weighted {metrics['gap/weighted']:+.3f}"
-                if "gap/weighted" in metrics
-                else ""
-            )
-            + " | "
-            + " ".join(f"{k} {v:.1f}s" for k, v in metrics.items() if k.startswith("time/"))
-        )
-        if stop["asked"]:
+        log(log_line(metrics, names, W))
+        if stop:
             log(
-                f"stopped after epoch {epoch}; continue with: python recast.py --out {out} --resume ..."
+                f"stopped after epoch {epoch}; continue with: python recast.py --out {out} --resume"
             )
             break
-    else:
-        if rank == 0:
-            final_eval = next(m for m in reversed(history) if any(k.startswith("eval/") for k in m))
-            summary = {
-                "epochs": args.epochs,
-                "base": base_eval,
-                "final": {k[5:]: v for k, v in final_eval.items() if k.startswith("eval/")},
+    if rank == 0 and not stop:
+        evals = [m for m in history if "eval/" + names[0] in m]
+        summary = {"epochs": args.epochs, "base": base_eval}
+        for key in ("eval", "gap"):
+            summary["final" if key == "eval" else key] = {
+                k.split("/", 1)[1]: v for k, v in evals[-1].items() if k.startswith(key + "/")
             }
-            summary["gap"] = {k[4:]: v for k, v in final_eval.items() if k.startswith("gap/")}
-            checkpoint.write_json_atomic(os.path.join(out, "summary.json"), summary)
-            log(f"done: {out}/summary.json")
+        checkpoint.write_json_atomic(os.path.join(out, "summary.json"), summary)
+        log(f"done: {out}/summary.json")
     if distributed:
         dist.destroy_process_group()
-    if stop["asked"]:
+    if stop:
         sys.exit(130)
+
+
+def save_samples(out, base_images, latest_images, ideal, eval_prompts, epoch, args) -> None:
+    """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
+    rows = min(8, len(latest_images) // args.eval_seeds)  # the first held-out prompts, all seeds
+    shown = rows * args.eval_seeds
+    panels = {"base model": base_images[:shown], f"epoch {epoch}": latest_images[:shown]}
+    if ideal is not None:
+        panels["ideal rendering"] = ideal[: shown : args.eval_seeds]
+    plots.save_samples_figure(os.path.join(out, "samples.png"), panels, eval_prompts[:rows])
+
+
+def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
+    """The one fixed-format line per epoch."""
+    parts = [
+        f"epoch {m['epoch']:3d}",
+        " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
+    ]
+    parts.append(f"loss {m['loss']:.4f}")
+    parts.append("centroid(W) " + " ".join(f"{c:.1f}" for c in centroid(W.double()).tolist()))
+    if "gap/weighted" in m:
+        parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
+    parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
+    return " | ".join(parts)
 
 
 if __name__ == "__main__":

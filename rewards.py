@@ -17,8 +17,25 @@ The toy rewards, in the order `recast.py` uses them, each measuring one attribut
                 from the object.
 Judges: `shape` (1 if the drawn mask matches the requested shape better than the other two shapes
 of the same area and centroid) and `iou` (overlap of the drawn mask with the ideal rendering's).
+
+Reward models for SD3 / SD3.5 (`LOADERS`, loaded on first use with transformers; each location is a
+local folder or a hub id, set by an environment variable):
+- `pickscore`: RECAST_PICKSCORE (default yuvalkirstain/PickScore_v1) with the processor
+               RECAST_PICKSCORE_PROCESSOR (default laion/CLIP-ViT-H-14-laion2B-s32B-b79K);
+- `clipscore`: RECAST_CLIPSCORE (default openai/clip-vit-large-patch14);
+- `aesthetic`: RECAST_AESTHETIC (the CLIP, default openai/clip-vit-large-patch14) and
+               RECAST_AESTHETIC_HEAD (required: a file with LAION's aesthetic head, .pth or
+               .safetensors);
+- `hpsv2`:     needs `pip install hpsv2`; RECAST_HPSV2 (the HPS v2.1 checkpoint file, default
+               downloaded from xswu/HPSv2) and RECAST_HPSV2_CLIP (open_clip ViT-H-14 weights,
+               default laion2B-s32B-b79K).
+`--rewards paper1` is the paper's first setting, pickscore,hpsv2,clipscore,aesthetic (`PRESETS`).
+A reward that needs a model is a loader `(device) -> reward`: register it with
+`@reward("name", LOADERS)` (see `clipscore` below for a ten-line example).
 """
 
+import functools
+import os
 from collections.abc import Callable
 
 import torch
@@ -180,3 +197,195 @@ def shape(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 def iou(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     ideal = hard_mask(tw.render(prompts).to(images.device))
     return _iou(hard_mask(images), ideal)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward models for SD3 / SD3.5 (LOADERS: loaded on first use; locations in the module docstring)
+# ---------------------------------------------------------------------------------------------
+TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names))  # score toy images only
+PRESETS = {"paper1": ("pickscore", "hpsv2", "clipscore", "aesthetic")}  # the first 4-reward setting
+CHUNK = 32  # images per reward-model forward
+
+
+def expand(text: str) -> list[str]:
+    """--rewards → reward names in order, each preset replaced by its rewards."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return [m for n in names for m in PRESETS.get(n, (n,))]
+
+
+def _where(variable: str, default: str) -> str:
+    return os.environ.get(variable) or default
+
+
+@functools.cache
+def _clip(model_path: str, processor_path: str, device: torch.device):
+    """A frozen CLIP and its processor; cached, so rewards on the same backbone share one copy."""
+    from transformers import AutoProcessor, CLIPModel
+
+    model = CLIPModel.from_pretrained(model_path).to(device).eval().requires_grad_(False)
+    return model, AutoProcessor.from_pretrained(processor_path)
+
+
+def _clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
+    """Images in [-1, 1] → CLIP's input, on their own device: the image processor's steps
+    (shortest side resized bicubically, centre crop, normalisation) done on tensors."""
+    x = (images.float().clamp(-1, 1) + 1) / 2
+    H, W = x.shape[-2:]
+    scale = image_processor.size["shortest_edge"] / min(H, W)
+    size = (round(H * scale), round(W * scale))
+    x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
+    h, w = image_processor.crop_size["height"], image_processor.crop_size["width"]
+    top, left = (x.shape[-2] - h) // 2, (x.shape[-1] - w) // 2
+    x = x[..., top : top + h, left : left + w]
+    mean = torch.tensor(image_processor.image_mean, device=x.device)[:, None, None]
+    std = torch.tensor(image_processor.image_std, device=x.device)[:, None, None]
+    return (x - mean) / std
+
+
+def _image_embeds(model, processor, images: torch.Tensor) -> torch.Tensor:
+    """L2-normalised CLIP image embeddings (B, d)."""
+    pixels = _clip_pixels(images.to(model.device), processor.image_processor)
+    pooled = model.vision_model(pixel_values=pixels).pooler_output
+    return F.normalize(model.visual_projection(pooled), dim=-1)
+
+
+def _text_embeds(model, processor, prompts: list[str]) -> torch.Tensor:
+    """L2-normalised CLIP text embeddings (B, d); prompts longer than CLIP's context are cut."""
+    tokens = processor.tokenizer(
+        prompts,
+        padding=True,
+        truncation=True,
+        max_length=model.config.text_config.max_position_embeddings,
+        return_tensors="pt",
+    ).to(model.device)
+    pooled = model.text_model(**tokens).pooler_output
+    return F.normalize(model.text_projection(pooled), dim=-1)
+
+
+def _cosine(model, processor, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """cos(image, prompt) (B,) on the images' device, CHUNK images per forward."""
+    cos = [
+        (
+            _image_embeds(model, processor, images[s : s + CHUNK])
+            * _text_embeds(model, processor, prompts[s : s + CHUNK])
+        ).sum(-1)
+        for s in range(0, len(prompts), CHUNK)
+    ]
+    return torch.cat(cos).to(images.device)
+
+
+@reward("pickscore", LOADERS)
+def pickscore(device: torch.device) -> RewardFn:
+    """PickScore (Kirstain et al., 2023): logit_scale · cos(image, prompt) of a CLIP-H fine-tuned
+    on Pick-a-Pic preferences (≈ 20-23 for typical SD images)."""
+    model, processor = _clip(
+        _where("RECAST_PICKSCORE", "yuvalkirstain/PickScore_v1"),
+        _where("RECAST_PICKSCORE_PROCESSOR", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+        device,
+    )
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        scale = model.logit_scale.exp().to(images.device)
+        return scale * _cosine(model, processor, images, prompts)
+
+    return score
+
+
+@reward("clipscore", LOADERS)
+def clipscore(device: torch.device) -> RewardFn:
+    """CLIPScore (Hessel et al., 2021): 2.5 · max(cos(image, prompt), 0), with CLIP ViT-L/14."""
+    path = _where("RECAST_CLIPSCORE", "openai/clip-vit-large-patch14")
+    model, processor = _clip(path, path, device)
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        return 2.5 * _cosine(model, processor, images, prompts).clamp(min=0)
+
+    return score
+
+
+def aesthetic_head(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """LAION's aesthetic predictor as (weight, bias) pairs, applied in order: the improved
+    predictor's MLP (keys layers.{0,2,4,6,7}.weight/bias; its ReLUs are commented out in LAION's
+    code and dropout is off at inference, so it is a chain of affine maps) or a linear probe
+    (keys weight, bias). From .safetensors, or LAION's own .pth (a plain state dict)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    prefixes = {k.removesuffix("weight") for k in state if k.endswith("weight")}
+    if not prefixes or any(p + "bias" not in state for p in prefixes):
+        raise ValueError(f"{path}: not an aesthetic head (want layers.N.weight/bias, weight/bias)")
+    order = sorted(prefixes, key=lambda p: int(p.split(".")[-2]) if p else 0)
+    return [(state[p + "weight"].float(), state[p + "bias"].float()) for p in order]
+
+
+@reward("aesthetic", LOADERS)
+def aesthetic(device: torch.device) -> RewardFn:
+    """LAION aesthetic score (≈ 1-10): the head of `aesthetic_head` on L2-normalised CLIP ViT-L/14
+    image embeddings."""
+    path = _where("RECAST_AESTHETIC", "openai/clip-vit-large-patch14")
+    head_path = os.environ.get("RECAST_AESTHETIC_HEAD")
+    if not head_path:
+        raise FileNotFoundError(
+            "reward 'aesthetic' needs its head: set RECAST_AESTHETIC_HEAD to LAION's "
+            "sac+logos+ava1-l14-linearMSE.pth (github.com/christophschuhmann/"
+            "improved-aesthetic-predictor) or a .safetensors copy of it"
+        )
+    model, processor = _clip(path, path, device)
+    head = [(w.to(device), b.to(device)) for w, b in aesthetic_head(head_path)]
+    if head[0][0].shape[1] != model.config.projection_dim or head[-1][0].shape[0] != 1:
+        raise ValueError(
+            f"{head_path} maps {head[0][0].shape[1]} → {head[-1][0].shape[0]} numbers; the CLIP at "
+            f"{path} has {model.config.projection_dim}-d embeddings and a score is 1 number"
+        )
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        chunks = images.split(CHUNK)
+        x = torch.cat([_image_embeds(model, processor, chunk) for chunk in chunks])  # (B, d)
+        for w, b in head:
+            x = F.linear(x, w, b)
+        return x[:, 0].to(images.device)
+
+    return score
+
+
+@reward("hpsv2", LOADERS)
+def hpsv2(device: torch.device) -> RewardFn:
+    """HPS v2.1 (Wu et al., 2023): cos(image, prompt) of an open_clip ViT-H-14 fine-tuned on human
+    preferences (≈ 0.25-0.35), with the package's own preprocessing. Needs `pip install hpsv2`."""
+    try:
+        from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
+    except ImportError as e:
+        raise ImportError("reward 'hpsv2' needs its package: pip install hpsv2") from e
+    from huggingface_hub import hf_hub_download
+    from PIL import Image
+
+    pretrained = _where("RECAST_HPSV2_CLIP", "laion2B-s32B-b79K")
+    model, _, preprocess = create_model_and_transforms(
+        "ViT-H-14", pretrained, precision="fp32", device=device, output_dict=True
+    )
+    checkpoint = os.environ.get("RECAST_HPSV2") or hf_hub_download(
+        "xswu/HPSv2", "HPS_v2.1_compressed.pt"
+    )
+    state = torch.load(checkpoint, map_location=device, weights_only=True)["state_dict"]
+    model.load_state_dict(state)
+    model.eval().requires_grad_(False)
+    tokenizer = get_tokenizer("ViT-H-14")
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        rgb = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        pil = [Image.fromarray(im.permute(1, 2, 0).cpu().numpy()) for im in rgb]
+        out = []
+        for s in range(0, len(pil), CHUNK):
+            pixels = torch.stack([preprocess(im) for im in pil[s : s + CHUNK]]).to(device)
+            feats = model(pixels, tokenizer(prompts[s : s + CHUNK]).to(device))
+            out.append((feats["image_features"] * feats["text_features"]).sum(-1))
+        return torch.cat(out).to(images.device)
+
+    return score

@@ -1,21 +1,552 @@
 """Tests for ReCAST: toy world and rewards, the weighting, the loop, the kernels, failure modes.
 
-pytest                # the fast suite (CPU, a few minutes)
-pytest -m slow        # end-to-end checks that take minutes (SIGKILL + resume, torchrun)
+    python -m pytest -q             # the fast suite (CPU, a few minutes)
+    python -m pytest -q -m slow     # end-to-end checks of minutes (SIGKILL + resume, torchrun)
+
+How the Triton interpreter is switched on. Triton reads TRITON_INTERPRET when @triton.jit decorates
+a function: ours when kernels/*.py is imported, and triton.language's own jit helpers (tl.sum,
+tl.zeros, ...) when triton itself is first imported; it reads the setting again while launching.
+An interpreted kernel cannot call a compiled helper, and a kernel cannot be compiled in a process
+whose helpers are interpreted. Hence:
+- this module sets TRITON_INTERPRET=1 before the first `import triton` of the process (torch and
+  pytest do not import triton), pins the setting for this process with triton.knobs, and restores
+  the environment, so that subprocesses (recast.py runs, the AOT test) are not interpreted. Every
+  nft_loss/renyi_gains call on CPU tensors in this process then runs the (slow) interpreted kernels.
+  Keep this block at the very top of the test file: if triton was imported earlier, collection
+  fails with a message saying so rather than letting the tests compare the reference with itself;
+- the ahead-of-time compilation test runs in a fresh Python process without the flag.
 """
 
-import json
-import math
 import os
-import subprocess
-import sys
 
-import pytest
-import torch
+_saved_flag = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
 
-import rewards
-import toyworld as tw
-from recast import centroid, gain_profiles, recast_weights
+import inspect  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+if type(tl.zeros).__name__ != "InterpretedFunction":
+    raise RuntimeError(
+        "triton was imported before this test module set TRITON_INTERPRET=1: put this module's "
+        "first lines before anything that imports triton, or run it in its own pytest process"
+    )
+triton.knobs.runtime.interpret = True  # this process only, from here on
+os.environ.pop("TRITON_INTERPRET")
+if _saved_flag is not None:
+    os.environ["TRITON_INTERPRET"] = _saved_flag
+
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+
+import rewards  # noqa: E402
+import toyworld as tw  # noqa: E402
+from kernels import nft_loss as nft  # noqa: E402
+from kernels import renyi  # noqa: E402
+from recast import centroid, gain_profiles, recast_weights  # noqa: E402
+
+KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def error_names(name: str) -> str:
+    """Regex: the error message names `name` as a word (at the start or after a space)."""
+    return rf"(^|\s){re.escape(name)}\b"
+
+
+# --------------------------------------------------------------------------------------------
+# nft_loss
+# --------------------------------------------------------------------------------------------
+
+
+def make_nft_inputs(n, shape, dtype=torch.float32, n_rewards=3, n_steps=10, seed=0):
+    """Random inputs with a general W (c ≠ 1/T) and rows of r exactly 0 and exactly 1."""
+    gen = torch.Generator().manual_seed(seed)
+    big = [torch.randn(n, *shape, generator=gen).to(dtype) for _ in range(5)]
+    t = 0.05 + 0.95 * torch.rand(n, generator=gen)
+    t_index = torch.randint(0, n_steps, (n,), generator=gen)
+    r = torch.rand(n, n_rewards, generator=gen)
+    r[0] = 0.0
+    r[1] = 1.0
+    W = torch.rand(n_rewards, n_steps, generator=gen) / n_steps
+    return dict(
+        v_theta=big[0], v_old=big[1], x0=big[2], noise=big[3], v_ref=big[4],
+        t=t, t_index=t_index, r=r, W=W,
+    )  # fmt: skip
+
+
+def loss_and_grad(fn, inputs, **kwargs):
+    """(loss, ∂loss/∂v_theta) of fn, with v_theta as a fresh leaf of the same dtype."""
+    v_theta = inputs["v_theta"].detach().clone().requires_grad_()
+    loss = fn(**{**inputs, "v_theta": v_theta}, **kwargs)
+    loss.backward()
+    return loss.detach(), v_theta.grad
+
+
+def upcast(inputs):
+    return {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+SHAPES = {"realistic": (16, (3, 32, 32)), "odd": (7, (3, 17, 19))}
+
+
+@pytest.mark.parametrize("with_ref", [True, False], ids=["v_ref", "no_ref"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW_PRECISION], ids=str)
+def test_nft_loss_matches_reference(dtype, shape, with_ref):
+    n, image_shape = SHAPES[shape]
+    inputs = make_nft_inputs(n, image_shape, dtype)
+    kwargs = dict(beta=0.7, adv_clip_max=5.0, kl_coef=0.05 if with_ref else 0.0)
+    if not with_ref:
+        inputs.pop("v_ref")
+    loss, grad = loss_and_grad(nft.nft_loss, inputs, **kwargs)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype and grad.shape == (n, *image_shape)
+    # The oracle: the reference in fp32 on the same (already rounded) inputs.
+    loss_32, grad_32 = loss_and_grad(nft.reference_nft_loss, upcast(inputs), **kwargs)
+    err_loss = (loss - loss_32).abs().item()
+    err_grad = (grad.float() - grad_32).abs().max().item()
+    grad_scale = grad_32.abs().max().item()
+    if dtype == torch.float32:
+        assert err_loss <= 1e-5 * loss_32.abs().item()
+        assert err_grad <= 1e-5 * grad_scale
+        return
+    # flash-attention's rule: at most twice the error of the reference run at this precision, plus
+    # what rounding an exact result to the output format costs: fp32 accumulation for the loss
+    # (1e-6 relative), half an ulp of the largest entry for the gradient stored in `dtype`.
+    loss_lp, grad_lp = loss_and_grad(nft.reference_nft_loss, inputs, **kwargs)
+    ref_err_loss = (loss_lp.float() - loss_32).abs().item()
+    ref_err_grad = (grad_lp.float() - grad_32).abs().max().item()
+    assert err_loss <= 2 * ref_err_loss + 1e-6 * loss_32.abs().item()
+    assert err_grad <= 2 * ref_err_grad + 0.5 * torch.finfo(dtype).eps * grad_scale
+
+
+def test_nft_loss_runs_the_kernel():
+    """Guards the tests above against comparing the reference with itself."""
+    assert nft._INTERPRET
+    inputs = make_nft_inputs(4, (33,))
+    v_theta = inputs.pop("v_theta").clone().requires_grad_()
+    loss = nft.nft_loss(v_theta, **inputs)
+    assert type(loss.grad_fn).__name__ == "_NFTLossBackward"
+
+
+def test_nft_loss_multi_tile_chunks():
+    """Rows split into chunks of several tiles, with a ragged last chunk and tile."""
+    n, d = 5, 9 * 1024 + 5
+    block_d, chunk_size, n_chunks = nft._launch_shape(n, d, torch.device("cpu"))
+    assert chunk_size >= 2 * block_d and n_chunks > 1 and d % chunk_size != 0
+    inputs = make_nft_inputs(n, (d,), seed=1)
+    loss, grad = loss_and_grad(nft.nft_loss, inputs, beta=1.3, kl_coef=0.1)
+    loss_ref, grad_ref = loss_and_grad(nft.reference_nft_loss, inputs, beta=1.3, kl_coef=0.1)
+    assert (loss - loss_ref).abs() <= 1e-5 * loss_ref.abs()
+    assert (grad - grad_ref).abs().max() <= 1e-5 * grad_ref.abs().max()
+
+
+def strided_layouts(x: torch.Tensor, layout: int) -> torch.Tensor:
+    """x (N, C, H, W) in one of four layouts: transposed storage (unit stride along N: the wrapper
+    copies it), every other row of a larger tensor (no copy), channels-last (copied), and one row
+    broadcast to all N (row stride 0, no copy)."""
+    if layout == 0:
+        return x.reshape(x.shape[0], -1).T.contiguous().T.reshape(x.shape)
+    if layout == 1:
+        return torch.stack([x, torch.full_like(x, float("nan"))], 1).flatten(0, 1)[::2]
+    if layout == 2:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x[:1].expand(x.shape)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+def test_nft_loss_non_contiguous_inputs(shift):
+    """Each big input in another layout (rotating with `shift`), and strided t, t_index, r, W."""
+    n, shape = 6, (3, 7, 5)
+    base = make_nft_inputs(2 * n, shape, torch.bfloat16, seed=2)
+    names = ["v_theta", "v_old", "x0", "noise", "v_ref"]
+    inputs = {k: strided_layouts(base[k][:n], (i + shift) % 4) for i, k in enumerate(names)}
+    inputs.update(
+        t=base["t"][::2],
+        t_index=base["t_index"][::2],
+        r=base["r"][:n].T.contiguous().T,  # column-major
+        W=base["W"].T.contiguous().T,
+    )
+    assert not inputs["v_theta"].is_contiguous()
+    before = {k: v.clone() for k, v in inputs.items()}
+    kwargs = dict(beta=0.5, kl_coef=0.2)
+    # v_theta keeps its layout: a view of a copy of its base (a clone of it could be compacted).
+    layout = inputs["v_theta"]
+    source = layout if layout._base is None else layout._base
+    leaf = source.detach().clone().requires_grad_()
+    v_theta = leaf.as_strided(layout.shape, layout.stride(), layout.storage_offset())
+    assert v_theta.stride() == layout.stride() and torch.equal(v_theta, layout)
+    loss = nft.nft_loss(**{**inputs, "v_theta": v_theta}, **kwargs)
+    (grad,) = torch.autograd.grad(loss, v_theta)
+    contiguous = {k: v.contiguous() for k, v in inputs.items()}
+    loss_ref, grad_ref = loss_and_grad(nft.nft_loss, contiguous, **kwargs)
+    assert torch.equal(loss.detach(), loss_ref) and torch.equal(grad, grad_ref)
+    for k, v in inputs.items():
+        assert torch.equal(v, before[k]) or k == "v_theta", f"{k} was written to"
+
+
+def test_nft_loss_kl_term_alone():
+    """With W = 0 only κ·mean((vθ - v_ref)²) is left: checks HAS_REF in both passes."""
+    inputs = make_nft_inputs(5, (3, 17, 19), seed=4)
+    inputs["W"] = torch.zeros_like(inputs["W"])
+    loss, grad = loss_and_grad(nft.nft_loss, inputs, kl_coef=0.3)
+    diff = inputs["v_theta"] - inputs["v_ref"]
+    torch.testing.assert_close(loss, 0.3 * (diff**2).mean(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, 2 * 0.3 * diff / diff.numel(), rtol=1e-5, atol=1e-12)
+
+
+def test_nft_loss_backward_scaling_and_no_grad():
+    inputs = make_nft_inputs(4, (50,), seed=5)
+    loss, grad = loss_and_grad(nft.nft_loss, inputs)
+    # grad_output ≠ 1, twice through the same graph: the stored gradient must not be changed.
+    v_theta = inputs["v_theta"].clone().requires_grad_()
+    scaled = 2.5 * nft.nft_loss(**{**inputs, "v_theta": v_theta})
+    scaled.backward(retain_graph=True)
+    scaled.backward()
+    torch.testing.assert_close(v_theta.grad, 5.0 * grad, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        assert torch.equal(nft.nft_loss(**inputs), loss)
+
+
+def closed_form_grad(inputs, beta, adv_clip_max, kl_coef):
+    """DESIGN §6's gradient: (A/N)(2tT/D)[-a e⁺/w⁺ + (c-a) e⁻/w⁻] + 2κ(vθ - v_ref)/(ND)."""
+    n = inputs["t"].shape[0]
+    v_theta, v_old, x0, noise, v_ref = (
+        inputs[k].reshape(n, -1).double() for k in ("v_theta", "v_old", "x0", "noise", "v_ref")
+    )
+    d, n_steps = v_theta.shape[1], inputs["W"].shape[1]
+    t = inputs["t"].double()[:, None]
+    w_col = inputs["W"].double()[:, inputs["t_index"]].T
+    a = (w_col * inputs["r"].double()).sum(1, keepdim=True)
+    c = w_col.sum(1, keepdim=True)
+    x_t = (1 - t) * x0 + t * noise
+    e_pos = x_t - t * (beta * v_theta + (1 - beta) * v_old) - x0
+    e_neg = x_t - t * ((1 + beta) * v_old - beta * v_theta) - x0
+    w_pos = e_pos.abs().mean(1, keepdim=True).clamp_min(1e-5)
+    w_neg = e_neg.abs().mean(1, keepdim=True).clamp_min(1e-5)
+    bracket = -a * e_pos / w_pos + (c - a) * e_neg / w_neg
+    return (adv_clip_max / n) * (2 * t * n_steps / d) * bracket + 2 * kl_coef / (n * d) * (
+        v_theta - v_ref
+    )
+
+
+def test_reference_gradient_matches_closed_form():
+    inputs = make_nft_inputs(6, (3, 5, 7), seed=6)
+    _, grad = loss_and_grad(nft.reference_nft_loss, inputs, beta=0.6, adv_clip_max=4.0, kl_coef=0.2)
+    expected = closed_form_grad(inputs, beta=0.6, adv_clip_max=4.0, kl_coef=0.2).float()
+    torch.testing.assert_close(grad.reshape(6, -1), expected, rtol=1e-4, atol=1e-7)
+
+
+def test_reference_loss_matches_formula():
+    """ℓ_n written out image by image; and the r̄ form of ℓ when W's columns sum to 1/T."""
+    inputs = make_nft_inputs(5, (4, 6), seed=7)
+    beta, adv_clip_max, kl_coef = 0.8, 5.0, 0.1
+    n_steps = inputs["W"].shape[1]
+    terms = []
+    for n in range(5):
+        t, i = inputs["t"][n].item(), inputs["t_index"][n].item()
+        x0, noise, v_old, v = (inputs[k][n].double() for k in ("x0", "noise", "v_old", "v_theta"))
+        x_t = (1 - t) * x0 + t * noise
+        a = sum(inputs["W"][k, i].item() * inputs["r"][n, k].item() for k in range(3))
+        c = inputs["W"][:, i].sum().item()
+        errors = [x_t - t * (beta * v + (1 - beta) * v_old) - x0]
+        errors.append(x_t - t * ((1 + beta) * v_old - beta * v) - x0)
+        losses = [(e**2).mean() / max(e.abs().mean().item(), 1e-5) for e in errors]
+        terms.append(n_steps * (a * losses[0] + (c - a) * losses[1]) / beta)
+    kl = ((inputs["v_theta"].double() - inputs["v_ref"].double()) ** 2).mean()
+    expected = adv_clip_max * sum(terms) / 5 + kl_coef * kl
+    got = nft.reference_nft_loss(**inputs, beta=beta, adv_clip_max=adv_clip_max, kl_coef=kl_coef)
+    assert abs(got.item() - expected.item()) <= 1e-5 * abs(expected.item())
+    # ReCAST / uniform W (columns sum to 1/T): ℓ = [r̄ L⁺ + (1 - r̄) L⁻]/β with r̄ = a / c.
+    inputs["W"] = torch.softmax(inputs["W"], 0) / n_steps
+    got = nft.reference_nft_loss(**inputs, beta=beta, kl_coef=0.0)
+    r_bar = (inputs["W"][:, inputs["t_index"]].T * inputs["r"]).sum(1, keepdim=True) * n_steps
+    single_reward = dict(inputs, r=r_bar, W=torch.ones(1, n_steps) / n_steps)
+    expected = nft.reference_nft_loss(**single_reward, beta=beta, kl_coef=0.0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+# (argument the error must name, how to break the inputs)
+BAD_NFT_INPUTS = [
+    ("v_theta", lambda i: {"v_theta": i["v_theta"].double()}),
+    ("v_old", lambda i: {"v_old": i["v_old"][:, :-1]}),
+    ("x0", lambda i: {"x0": i["x0"].half()}),
+    ("noise", lambda i: {"noise": i["noise"].to("meta")}),
+    ("v_ref", lambda i: {"v_ref": i["v_ref"][:-1]}),
+    ("t", lambda i: {"t": i["t"][:-1]}),
+    ("t_index", lambda i: {"t_index": i["t_index"] + i["W"].shape[1]}),
+    ("t_index", lambda i: {"t_index": i["t_index"] - 100}),
+    ("t_index", lambda i: {"t_index": i["t_index"].float()}),
+    ("W", lambda i: {"W": i["W"][:, :1]}),  # t_index does not fit W's columns
+    ("W", lambda i: {"W": i["W"][:-1]}),  # K differs from r's
+    ("r", lambda i: {"r": i["r"][:, 0]}),
+    ("beta", lambda i: {"beta": 0.0}),
+    ("kl_coef", lambda i: {"kl_coef": -1.0}),
+]
+
+
+@pytest.mark.parametrize("name, breaks", BAD_NFT_INPUTS, ids=[n for n, _ in BAD_NFT_INPUTS])
+@pytest.mark.parametrize("fn_name", ["nft_loss", "reference_nft_loss"])
+def test_nft_loss_bad_inputs(fn_name, name, breaks):
+    inputs = make_nft_inputs(4, (2, 3), seed=8)
+    inputs["t_index"][0] = 5
+    bad = {**inputs, **breaks(inputs)}
+    with pytest.raises(ValueError, match=error_names(name)):
+        getattr(nft, fn_name)(**bad)
+
+
+# --------------------------------------------------------------------------------------------
+# renyi_gains
+# --------------------------------------------------------------------------------------------
+
+
+def make_scores(n_rewards, n_steps, n_groups, group_size, seed=0, flat_group=True):
+    """Step scores that reveal the final ones progressively; group 0 of reward 0 is flat."""
+    gen = torch.Generator().manual_seed(seed)
+    final = torch.randn(n_rewards, 1, n_groups * group_size, generator=gen)
+    if flat_group:
+        final[0, 0, :group_size] = 0.7
+    mix = torch.linspace(0, 1, n_steps + 1)[None, :, None]
+    noise = torch.randn(n_rewards, n_steps + 1, n_groups * group_size, generator=gen)
+    blur = 0.3 * torch.arange(n_steps + 1.0)[None, :, None]  # a per-step bias, removed by centring
+    return mix * final + (1 - mix) * noise + blur * (mix < 1)
+
+
+# (K, T, M groups, G, A_max); A_max = 1 clips many advantages, so r hits 0 and 1 exactly, r̂ hits
+# its clamp and differs from r at the last column.
+RENYI_CASES = [
+    (2, 4, 6, 4, 5.0),
+    (3, 5, 5, 3, 5.0),
+    (1, 2, 7, 1, 5.0),
+    (2, 3, 5, 300, 5.0),
+    (3, 6, 16, 8, 5.0),
+    (2, 4, 6, 8, 1.0),
+    (2, 3, 3, 300, 1.0),
+]
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.0, 0.5, 3.0])
+@pytest.mark.parametrize("case", RENYI_CASES, ids=lambda c: "K{}-T{}-M{}-G{}-A{}".format(*c))
+def test_renyi_gains_matches_reference(case, alpha):
+    n_rewards, n_steps, n_groups, group_size, adv_clip_max = case
+    scores = make_scores(n_rewards, n_steps, n_groups, group_size)
+    D, gains = renyi.renyi_gains(scores, group_size, alpha, adv_clip_max)
+    D_ref, gains_ref = renyi.reference_renyi_gains(scores, group_size, alpha, adv_clip_max)
+    assert D.shape == (n_rewards, n_steps + 1) and gains.shape == (n_rewards, n_steps)
+    assert D.dtype == gains.dtype == torch.float32
+    torch.testing.assert_close(D, D_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gains, gains_ref, rtol=1e-5, atol=2e-6)
+    assert torch.all(D[:, 0] == 0)
+    torch.testing.assert_close(gains.sum(1), D[:, -1], rtol=1e-6, atol=1e-6)
+    if group_size > 1:  # the scores reveal more and more: D must be informative, D ≥ 0
+        assert D[:, -1].min() > 1e-3 and D.min() >= -1e-6
+    else:
+        assert torch.all(D == 0)  # groups of one image are flat
+
+
+def test_renyi_gains_strided_and_double_scores():
+    scores = make_scores(2, 4, 6, 4, seed=1).double().transpose(0, 2).contiguous().transpose(0, 2)
+    assert not scores.is_contiguous()
+    D, gains = renyi.renyi_gains(scores, 4)
+    D_ref, gains_ref = renyi.reference_renyi_gains(scores, 4)
+    torch.testing.assert_close(D, D_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_flat_group_does_not_touch_the_others(fn_name):
+    """A group with equal final scores has z = 0 and D_group = 0: appending one to M groups
+    multiplies D by M / (M + 1) exactly, whatever its step scores. With z = (s_i - mean)/1e-4 there
+    instead, it would dominate Σ z² and flatten every other group's r̂."""
+    fn = getattr(renyi, fn_name)
+    scores = make_scores(2, 4, 5, 4, seed=2, flat_group=False)
+    D, _ = fn(scores, 4)
+    flat = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3))
+    flat[:, -1] = 0.25
+    D_more, _ = fn(torch.cat([scores, flat], dim=2), 4)
+    assert not D_more.isnan().any()
+    torch.testing.assert_close(D_more * 6 / 5, D, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_constant_step_scores_give_zero(fn_name):
+    """Step scores all equal within every group reveal nothing: r̂ = mean r, D ≈ 0 at that step
+    (the group means of seven copies of 0.1 are rounded; the equal residues must not matter)."""
+    scores = make_scores(2, 4, 3, 7, seed=4).double()
+    scores[:, 2] = 0.1
+    D, _ = getattr(renyi, fn_name)(scores, 7)
+    assert D[:, 2].abs().max() < 1e-6  # the fp32 log-ratio of r̂ = mean r to its mean: ~1 ulp
+
+
+def test_renyi_last_gain_is_zero_for_euler():
+    """Euler's last step prediction is the sample itself: with no clipped advantage r̂ = r there, so
+    the last gain is 0 (D[:, T] clamps r like r̂)."""
+    scores = make_scores(3, 5, 6, 8, seed=5)  # G = 8: |A| ≤ √7 < 5, nothing clipped
+    scores[:, -2] = scores[:, -1]
+    for alpha in (2.0, 1.0):
+        _, gains = renyi.renyi_gains(scores, 8, alpha)
+        torch.testing.assert_close(gains[:, -1], torch.zeros(3), rtol=0, atol=1e-6)
+
+
+def test_group_optimality():
+    scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]])
+    r = renyi.group_optimality(scores, 4, adv_clip_max=5.0)
+    assert torch.all(r[0, 4:] == 0.5)  # zero spread
+    g = scores[0, :4]
+    expected = 0.5 + ((g - g.mean()) / (g.std(correction=0) + 1e-4)).clamp(-5, 5) / 10
+    torch.testing.assert_close(r[0, :4], expected)
+    wide = renyi.group_optimality(torch.tensor([0.0] * 30 + [100.0]), 31, adv_clip_max=2.0)
+    assert wide[-1] == 1.0 and wide.min() >= 0.0  # clipped at A_max
+
+
+def nan_at(scores):
+    scores = scores.clone()
+    scores[1, 2, 5] = float("nan")
+    return scores
+
+
+# (argument the error must name, how to break the inputs)
+BAD_RENYI_INPUTS = [
+    ("scores", lambda s: {"scores": s[0]}),
+    ("scores", lambda s: {"scores": s[:, :1]}),  # T = 0
+    ("scores", lambda s: {"scores": nan_at(s)}),
+    ("scores", lambda s: {"scores": (10 * s).long()}),
+    ("group_size", lambda s: {"group_size": 5}),
+    ("group_size", lambda s: {"group_size": 0}),
+    ("alpha", lambda s: {"alpha": 0.0}),
+    ("adv_clip_max", lambda s: {"adv_clip_max": -1.0}),
+]
+
+
+@pytest.mark.parametrize("name, breaks", BAD_RENYI_INPUTS, ids=[n for n, _ in BAD_RENYI_INPUTS])
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_bad_inputs(fn_name, name, breaks):
+    scores = make_scores(2, 3, 4, 3)
+    kwargs = {"scores": scores, "group_size": 3, **breaks(scores)}
+    with pytest.raises(ValueError, match=error_names(name)):
+        getattr(renyi, fn_name)(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time compilation for real GPUs (no GPU needed)
+# --------------------------------------------------------------------------------------------
+
+
+def compile_kernels_ahead_of_time(kernels_dir: str, capabilities: list[int]) -> None:
+    """Compile every @triton.jit kernel of kernels/ for sm_<cap> in two variants and print a JSON
+    report. Runs in a fresh Python process without TRITON_INTERPRET (its source is sent there), so
+    it imports what it needs itself."""
+    import importlib.util
+    import json
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    modules = {}
+    for name in ("nft_loss", "renyi"):
+        spec = importlib.util.spec_from_file_location(name, f"{kernels_dir}/{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    kernels = {
+        name: obj
+        for module in modules.values()
+        for name, obj in vars(module).items()
+        if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")
+    }
+    floats = {
+        "_nft_partial_sums_kernel": {"beta"},
+        "_nft_loss_grad_kernel": {"n_steps", "beta", "adv_clip_max", "kl_coef"},
+        "_renyi_divergence_kernel": {"alpha", "log_group_size", "adv_clip_max"},
+    }
+    big = ("v_theta_ptr", "v_old_ptr", "x0_ptr", "noise_ptr", "v_ref_ptr")
+    out = {"partial_ptr": "*fp32", "row_loss_ptr": "*fp32"}
+    # What a launch specialises when integers equal 1: N = K = D = 1, one chunk, unit strides.
+    ones = dict.fromkeys(["D", "n_chunks", "stride_vt", "stride_vo", "stride_x0"], 1)
+    ones.update(dict.fromkeys(["stride_noise", "stride_ref", "N", "K", "stride_t"], 1))
+    ones.update(dict.fromkeys(["stride_ti", "stride_rk", "stride_wt"], 1))
+    grad_main = {"t_ptr": "*fp32", "t_index_ptr": "*i64", "r_ptr": "*fp32", "w_ptr": "*fp32"}
+    grad_edge = {"t_ptr": "*fp16", "t_index_ptr": "*i32", "r_ptr": "*fp64", "w_ptr": "*bf16"}
+    # (kernel, variant, pointer dtypes, constexprs); the other arguments are fp32 or i32 scalars.
+    # main: bf16 inputs, every branch on. edge: other dtypes, the other branches, integers = 1.
+    variants = [
+        ("_nft_partial_sums_kernel", "main", dict.fromkeys(big, "*bf16") | out,
+         dict(NUM_STATS=5, HAS_REF=True, BLOCK_D=1024)),
+        ("_nft_partial_sums_kernel", "edge", dict.fromkeys(big, "*fp16") | out,
+         ones | dict(NUM_STATS=5, HAS_REF=False, BLOCK_D=128)),
+        ("_nft_loss_grad_kernel", "main",
+         dict.fromkeys(big, "*bf16") | out | grad_main | {"grad_ptr": "*bf16"},
+         dict(NUM_STATS=5, HAS_REF=True, WRITE_GRAD=True, BLOCK_D=1024, BLOCK_C=32, BLOCK_K=4)),
+        ("_nft_loss_grad_kernel", "edge",
+         dict.fromkeys(big, "*fp16") | out | grad_edge | {"grad_ptr": "*fp16"},
+         ones | dict(NUM_STATS=5, HAS_REF=False, WRITE_GRAD=False, BLOCK_D=128, BLOCK_C=1,
+                     BLOCK_K=1)),
+        ("_renyi_divergence_kernel", "main", {"scores_ptr": "*fp32", "divergence_ptr": "*fp32"},
+         dict(IS_KL=False, BLOCK_M=128, BLOCK_G=8)),
+        ("_renyi_divergence_kernel", "edge", {"scores_ptr": "*bf16", "divergence_ptr": "*fp32"},
+         dict(n_steps=1, n_groups=1, group_size=1, stride_n=1, IS_KL=True, BLOCK_M=1, BLOCK_G=1)),
+    ]  # fmt: skip
+    report = {"kernels": sorted(kernels), "compiled": []}
+    for name, variant, pointers, constexprs in variants:
+        fn = kernels[name]
+        constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+        signature = {
+            arg: pointers.get(arg)
+            or ("constexpr" if arg in constexprs else "fp32" if arg in floats[name] else "i32")
+            for arg in fn.arg_names
+        }
+        for cap in capabilities:
+            compiled = triton.compile(
+                ASTSource(fn, signature, constexprs),
+                target=GPUTarget("cuda", cap, 32),
+                options={"num_warps": 4, "enable_fp_fusion": True},
+            )
+            ptx, cubin = compiled.asm["ptx"], compiled.asm["cubin"]
+            report["compiled"].append(
+                dict(
+                    name=name,
+                    variant=variant,
+                    cap=cap,
+                    ptx_target=f".target sm_{cap}" in ptx,
+                    ptx_entry=f".entry {name}" in ptx,
+                    cubin_elf=cubin[:4] == b"\x7fELF",
+                    cubin_bytes=len(cubin),
+                )
+            )
+    print(json.dumps(report))
+
+
+def test_kernels_compile_ahead_of_time():
+    source = inspect.getsource(compile_kernels_ahead_of_time)
+    source += f"\ncompile_kernels_ahead_of_time({str(KERNELS_DIR)!r}, [80, 90])\n"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = report["compiled"]
+    assert report["kernels"] == [
+        "_nft_loss_grad_kernel",
+        "_nft_partial_sums_kernel",
+        "_renyi_divergence_kernel",
+    ]
+    built = {(c["name"], c["variant"], c["cap"]) for c in compiled}
+    assert built == {
+        (k, v, cap) for k in report["kernels"] for v in ("main", "edge") for cap in (80, 90)
+    }
+    for c in compiled:
+        assert c["ptx_target"] and c["ptx_entry"] and c["cubin_elf"], c
+        assert c["cubin_bytes"] > 1000, c
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 P = tw.HELDOUT_PROMPTS
@@ -65,7 +596,7 @@ def test_color_reward_measures_color():
     wrong = rewards.color(tw.render(_swap(P, 0, list(tw.COLORS))), P)
     assert (ideal > wrong + 0.3).all()
     assert torch.allclose(
-        ideal, rewards.color(tw.render(_swap(P, 2, list(tw.POSITIONS))), P), atol=0.01
+        ideal, rewards.color(tw.render(_swap(P, 2, list(tw.POSITIONS))), P), atol=0.03
     )
 
 
@@ -96,7 +627,7 @@ def test_judges_measure_shape_and_overlap():
     assert rewards.shape(tw.render(_swap(P, 1, list(tw.SHAPES))), P).eq(0).all()
     assert rewards.iou(images, P).gt(0.99).all()
     assert (rewards.iou(tw.render(_swap(P, 2, list(tw.POSITIONS))), P) < 0.5).all()
-    blank = torch.full_like(images, -1)
+    blank = torch.tensor(tw.BACKGROUND).view(1, 3, 1, 1).expand_as(images) * 2 - 1
     assert rewards.shape(blank, P).eq(0).all() and rewards.iou(blank, P).eq(0).all()
 
 
@@ -289,3 +820,62 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["base"]) == set(summary["final"]) == {*names, "shape", "iou"}
     assert json.loads((out / "args.json").read_text())["lam"] == "0.4,0.2,0.2,0.2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure modes: bad input, interruption, resume, numerical faults
+# ---------------------------------------------------------------------------------------------
+BAD_INPUT = [
+    (["--lambda", "0.5,0.5"], "--lambda"),  # wrong count
+    (["--lambda", "0.5,-0.1,0.3,0.3"], "--lambda"),
+    (["--lambda", "0,0,0,0"], "--lambda"),
+    (["--lambda", "nan,0.2,0.2,0.2"], "--lambda"),
+    (["--lambda", "inf,0.2,0.2,0.2"], "--lambda"),
+    (["--lambda", "a,b,c,d"], "--lambda"),
+    (["--lambda", ""], "--lambda"),
+    ([], "--lambda"),
+    (["--lambda", "0.5,0.5", "--rewards", "position,aesthetics"], "--rewards"),
+    (["--lambda", "1", "--weighting", "softmax"], "--weighting"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--epochs", "-1"], "--epochs"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--epochs", "two"], "--epochs"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--group-size", "1"], "--group-size"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--tau", "0"], "--tau"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_exits_2_names_the_flag_and_writes_nothing(
+    argv, flag, tmp_path, monkeypatch, capsys
+):
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        recast.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and len(err.strip().splitlines()) <= 3, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").mkdir()
+    cases = [
+        (["--out", "taken"], "--resume"),  # exists without --resume: suggest it
+        (["--out", "taken", "--resume"], "not a run"),
+    ]
+    for extra, words in cases:
+        with pytest.raises(SystemExit) as e:
+            recast.main(["--lambda", "0.4,0.2,0.2,0.2", *extra])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+    saved = recast.Args(lam="0.4,0.2,0.2,0.2", out="taken")
+    (tmp_path / "taken" / "args.json").write_text(json.dumps(dataclasses.asdict(saved)))
+    with pytest.raises(SystemExit) as e:
+        recast.main(["--out", "taken", "--resume", "--beta", "0.5"])
+    assert e.value.code == 2 and "--beta 1.0 → 0.5" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "taken") == ["args.json"]

@@ -275,7 +275,7 @@ def base_profiles(
     alpha: float = 2.0,
     floor: float = 0.1,
 ):
-    """DESIGN §4's estimator on the base model: (names, D, gains, profiles) for G images per prompt."""
+    """DESIGN §4 on base-model samples: (names, D, gains, profiles), G images per prompt."""
     import recast
     import rewards
     from kernels.renyi import renyi_gains

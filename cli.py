@@ -1,0 +1,134 @@
+"""Command line of recast.py: flags from a dataclass, and every check that runs before anything
+is loaded or written. Bad input exits with code 2 and one line that names the flag and the fix."""
+
+import argparse
+import ast
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, fields
+
+import torch
+
+
+def fail(flag: str, message: str):
+    print(f"recast.py: error: {flag}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def flag_of(name: str) -> str:
+    return "--lambda" if name == "lam" else "--" + name.replace("_", "-")
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each dataclass field: the help text of its flag."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {
+        a.target.id: b.value.value.strip()
+        for a, b in zip(body, body[1:], strict=False)
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+    }
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line naming the flag, not the whole usage block
+        flag, _, detail = message.partition(": ")
+        if flag.startswith("argument "):
+            fail(flag.removeprefix("argument ").split("/")[0], detail)
+        fail("usage", f"{message} (see --help)")
+
+
+def parse(cls, argv: list[str] | None, description: str, choices: dict[str, list[str]]):
+    """An argparse parser with one flag per field of the dataclass `cls`; returns a `cls`."""
+    docs = field_docs(cls)
+    ap = _Parser(
+        prog="recast.py",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for f in fields(cls):
+        kw = dict(dest=f.name, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+        if f.type is bool:
+            ap.add_argument(flag_of(f.name), action="store_true", **kw)
+        else:
+            ap.add_argument(flag_of(f.name), type=f.type, choices=choices.get(f.name), **kw)
+    args = ap.parse_args(argv)
+    saved = os.path.join(args.out, "args.json")
+    if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
+        with open(saved) as f:
+            ap.set_defaults(**{k: v for k, v in json.load(f).items() if k in vars(args)})
+        args = ap.parse_args(argv)
+    return cls(**vars(args))
+
+
+def parse_lambda(text: str, names: list[str]) -> torch.Tensor:
+    """--lambda → budgets (K,) float64 normalised to sum 1 (with a note when they did not)."""
+    example = "--lambda " + ",".join(["0.25"] * len(names))
+    if not text.strip():
+        fail("--lambda", f"give one budget per reward ({', '.join(names)}), e.g. {example}")
+    try:
+        lam = torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
+    except ValueError:
+        fail("--lambda", f"{text!r} is not a comma-separated list of numbers, e.g. {example}")
+    if len(lam) != len(names):
+        fail("--lambda", f"{len(lam)} budgets for {len(names)} rewards ({', '.join(names)})")
+    if not torch.isfinite(lam).all() or (lam < 0).any():
+        fail("--lambda", f"budgets must be finite and ≥ 0, got {text!r}")
+    if lam.sum() == 0:
+        fail("--lambda", "all budgets are 0: give at least one reward a positive budget")
+    if abs(lam.sum().item() - 1) > 1e-9:
+        normalised = ", ".join(f"{x:.4g}" for x in (lam / lam.sum()).tolist())
+        print(f"note: --lambda {text} sums to {lam.sum().item():g}; normalised to {normalised}")
+    return lam / lam.sum()
+
+
+def check(args, world_size: int, resumable: set[str]) -> None:
+    """Ranges, divisibility, and the run folder: everything checkable before loading a model."""
+    for name in ["prompts", "steps", "batch_size", "eval_seeds", "eval_every", "ckpt_every"]:
+        if getattr(args, name) < 1:
+            fail(flag_of(name), f"must be ≥ 1, got {getattr(args, name)}")
+    if args.gain_every < 1:
+        fail("--gain-every", f"must be ≥ 1, got {args.gain_every}")
+    if args.epochs < 0:
+        fail("--epochs", f"must be ≥ 0, got {args.epochs}")
+    if args.group_size < 2:
+        fail("--group-size", "needs ≥ 2 images per prompt to compare them within a group")
+    if args.steps < 2:
+        fail("--steps", "needs ≥ 2 sampler steps")
+    for name in ["alpha", "tau", "beta", "lr", "adv_clip_max", "grad_clip"]:
+        if not 0 < getattr(args, name) < math.inf:
+            fail(flag_of(name), f"must be > 0 and finite, got {getattr(args, name)}")
+    for name in ["floor", "gain_frac"]:
+        if not 0 < getattr(args, name) <= 1:
+            fail(flag_of(name), f"must be in (0, 1], got {getattr(args, name)}")
+    for name in ["gain_ema", "decay_cap"]:
+        if not 0 <= getattr(args, name) < 1:
+            fail(flag_of(name), f"must be in [0, 1), got {getattr(args, name)}")
+    for name in ["decay_rate", "kl_coef"]:
+        if not 0 <= getattr(args, name) < math.inf:
+            fail(flag_of(name), f"must be ≥ 0 and finite, got {getattr(args, name)}")
+    if args.prompts % world_size or args.batch_size % world_size:
+        fail("--prompts", f"--prompts and --batch-size must be multiples of {world_size} processes")
+    if args.out and os.path.exists(args.out) and not args.resume:
+        fail(
+            "--out", f"{args.out} exists: add --resume to continue that run, or pick another --out"
+        )
+    if args.resume:
+        if not args.out:
+            fail("--resume", "needs --out, the run folder to continue")
+        saved = os.path.join(args.out, "args.json")
+        if not os.path.isfile(saved):
+            fail("--resume", f"{args.out} is not a run (no args.json); drop --resume to start one")
+        with open(saved) as f:
+            before = json.load(f)
+        differ = [k for k, v in asdict(args).items() if k not in resumable and before.get(k) != v]
+        if differ:
+            changes = ", ".join(
+                f"{flag_of(k)} {before.get(k)!r} → {getattr(args, k)!r}" for k in differ
+            )
+            fail(
+                "--resume",
+                f"these differ from the run's args.json: {changes}; drop them or use a new --out",
+            )
