@@ -51,7 +51,7 @@ class Args:
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
     rewards: str = "position,color,sharpness,background"
-    """comma-separated reward names from rewards.py (default: the four toy rewards)"""
+    """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
     model: str = "toy"
     """'toy' (the tiny model shipped in toy_model/) or an SD3/SD3.5 folder or hub id"""
     prompts_file: str = ""
@@ -559,7 +559,7 @@ def save_samples(out, base_images, latest_images, ideal, eval_prompts, epoch, ar
     shown = rows * args.eval_seeds
     panels = {"base model": base_images[:shown], f"epoch {epoch}": latest_images[:shown]}
     if ideal is not None:
-        panels["ideal rendering"] = ideal[: shown : args.eval_seeds]
+        panels["ideal"] = ideal[: shown : args.eval_seeds]
     plots.save_samples_figure(os.path.join(out, "samples.png"), panels, eval_prompts[:rows])
 
 
@@ -578,4 +578,8 @@ def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (rewards.RewardError, FloatingPointError) as e:  # a fault of the run, not of the code
+        print(f"recast.py: stopped: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -645,11 +645,12 @@ def test_nonfinite_reward_names_reward_and_prompt():
 # The shipped base model
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def world():
+def toy_world():
     return tw.ToyWorld(torch.device("cpu"))
 
 
-def test_base_model_samples_between_chance_and_ideal(world):
+def test_base_model_samples_between_chance_and_ideal(toy_world):
+    world = toy_world
     import recast
 
     prompts = [p for p in P for _ in range(2)]
@@ -663,8 +664,8 @@ def test_base_model_samples_between_chance_and_ideal(world):
     assert 0.3 < base["iou"].mean() < 0.9  # a random prompt's rendering scores ~0.1
 
 
-def test_base_model_position_is_decided_before_sharpness_and_background(world):
-    names, D, gains, profiles = tw.base_profiles(world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
+def test_base_model_position_is_decided_before_sharpness_and_background(toy_world):
+    names, D, gains, profiles = tw.base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
     c = dict(zip(names, centroid(profiles).tolist(), strict=True))
     assert c["position"] < c["sharpness"] and c["position"] < c["background"], c
     assert torch.allclose(gains.sum(1), D[:, -1], atol=1e-5)  # the gains telescope to D_T
@@ -879,3 +880,561 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
         recast.main(["--out", "taken", "--resume", "--beta", "0.5"])
     assert e.value.code == 2 and "--beta 1.0 → 0.5" in capsys.readouterr().err
     assert os.listdir(tmp_path / "taken") == ["args.json"]
+
+
+def run_patched(tmp_path, patch: str, *flags, timeout=300):
+    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run."""
+    script = tmp_path / "run_patched.py"
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\nimport rewards\nimport recast\n"
+        f"{patch}\ntry:\n    recast.main({list(flags)!r})\n"
+        "except (rewards.RewardError, FloatingPointError) as e:\n"
+        "    print(f'stopped: {e}', file=sys.stderr)\n    sys.exit(1)\n"
+    )
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=timeout
+    )
+
+
+def metrics_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path):
+    patch = (
+        "good = rewards.REWARDS['color']\n"
+        "bad = lambda im, p: good(im, p).index_fill(0, torch.tensor([2]), float('inf'))\n"
+        "rewards.REWARDS['color'] = bad"
+    )
+    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
+    assert done.returncode == 1
+    assert "'color'" in done.stderr and "prompt '" in done.stderr and "inf" in done.stderr
+
+
+def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path):
+    patch = "rewards.REWARDS['color'] = lambda im, p: torch.full((len(p),), 0.5)"
+    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
+    assert done.returncode == 0, done.stderr
+    for m in metrics_of(tmp_path / "run")[1:]:
+        assert m["groups/constant"] == 4  # the four prompt groups of `color`, and nothing else
+        assert all(math.isfinite(x) for row in m["D"] + m["gains"] + m["W"] for x in row)
+        assert math.isfinite(m["loss"])
+        assert max(abs(x) for x in m["D"][1]) == 0  # a constant reward reveals nothing
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    import checkpoint
+
+    patch = (
+        "calls = [0]\ngood = recast.nft_loss\n"
+        "def bad(*a, **k):\n    calls[0] += 1\n"
+        "    return good(*a, **k) * (float('nan') if calls[0] > 5 else 1.0)\n"
+        "recast.nft_loss = bad"
+    )  # epoch 1 has 4·4·10/32 = 5 optimizer steps: the 6th, in epoch 2, returns NaN
+    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
+    assert done.returncode == 1 and "loss is nan" in done.stderr
+    assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["epoch_0001"]
+    tensors, _, state = checkpoint.load_latest(str(tmp_path / "run"))
+    assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in tensors.values())
+    assert [m["epoch"] for m in metrics_of(tmp_path / "run")] == [0, 1]
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    out = tmp_path / "run"
+    run_recast("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", str(out))
+    weights = out / "ckpt" / "epoch_0002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    done = run_recast("--out", str(out), "--resume", "--epochs", "3")
+    assert "epoch_0002 is unusable" in done.stdout and "resuming" in done.stdout
+    assert "after epoch 1" in done.stdout
+    assert [m["epoch"] for m in metrics_of(out)] == [0, 1, 2, 3]
+
+
+def _without_times(lines):
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in lines]
+
+
+def test_sigint_finishes_the_epoch_checkpoints_and_resumes(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY[2:], "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "recast.py"), *flags, "--epochs", "30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+    )  # fmt: skip
+    while not (out / "metrics.jsonl").exists() or len(metrics_of(out)) < 2:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "--resume" in stdout
+    done = metrics_of(out)[-1]["epoch"]
+    assert sorted(os.listdir(out / "ckpt"))[-1] == f"epoch_{done:04d}"
+    run_recast("--out", str(out), "--resume", "--epochs", str(done + 1))
+    assert [m["epoch"] for m in metrics_of(out)] == list(range(done + 2))
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    """Kill -9 at an arbitrary point, --resume: the same metrics as a run never interrupted."""
+    import random
+    import signal
+    import time
+
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY[2:], "--epochs", "4", "--eval-every", "1"]
+    run_recast(*flags, "--out", str(tmp_path / "whole"))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "recast.py"), *flags, "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=HERE,
+    )  # fmt: skip
+    while not (out / "metrics.jsonl").exists() or len(metrics_of(out)) < 3:
+        assert proc.poll() is None
+        time.sleep(0.05)
+    time.sleep(random.Random(0).uniform(0.0, 2.0))  # somewhere inside epoch 2 or 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_recast("--out", str(out), "--resume")
+    assert _without_times(metrics_of(out)) == _without_times(metrics_of(tmp_path / "whole"))
+
+
+# ---------------------------------------------------------------------------------------------
+# SD3 / SD3.5 world, reward models, torchrun. Every model here is built with random weights from
+# the real classes (a tiny StableDiffusion3Pipeline without T5, tiny CLIPs, a tiny LAION-style
+# aesthetic head), saved to a temp folder and loaded back through the real loading code.
+# ---------------------------------------------------------------------------------------------
+SD3_PROMPTS = [
+    f"a {c} {t}" for c in ("red", "green", "blue", "gold") for t in ("cat", "boat", "tree")
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random models, saved and loaded like real ones
+# ---------------------------------------------------------------------------------------------
+def clip_tokenizer(folder):
+    """A CLIP tokenizer with one token per byte (and per end-of-word byte), no merges."""
+    from transformers import CLIPTokenizer
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
+    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": 256 + i for i, c in enumerate(chars)}
+    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "vocab.json"), "w") as f:
+        json.dump(vocab, f)
+    with open(os.path.join(folder, "merges.txt"), "w") as f:
+        f.write("#version: 0.2\n")
+    return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
+
+
+TEXT = dict(
+    vocab_size=514, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=2, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
+    pad_token_id=513,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def sd3_dir(tmp_path_factory):
+    """A tiny SD3 pipeline (T5 left out): 32 px images, 4 × 16 × 16 latents."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    root = tmp_path_factory.mktemp("sd3")
+    torch.manual_seed(0)
+    tokenizer = clip_tokenizer(root / "tokenizer")
+    encoder = lambda: CLIPTextModelWithProjection(CLIPTextConfig(**TEXT, projection_dim=16))  # noqa: E731
+    pipe = StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+            num_attention_heads=2, attention_head_dim=8, joint_attention_dim=32,
+            caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=16,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=AutoencoderKL(
+            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
+            sample_size=32, scaling_factor=1.5, shift_factor=0.06,
+        ),
+        text_encoder=encoder(), tokenizer=tokenizer,
+        text_encoder_2=encoder(), tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None,
+    )  # fmt: skip
+    pipe.save_pretrained(root / "pipe")
+    return str(root / "pipe")
+
+
+@pytest.fixture(scope="session")
+def reward_env(tmp_path_factory):
+    """Env vars pointing every CLIP reward at a tiny random CLIP, and a tiny aesthetic head."""
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    root = tmp_path_factory.mktemp("rewards")
+    torch.manual_seed(1)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(
+        text_config=TEXT, vision_config=dict(vision, image_size=32, patch_size=8), projection_dim=8
+    )
+    CLIPModel(config).save_pretrained(root / "clip")
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer(root / "tok"))
+    processor.save_pretrained(root / "clip")
+    widths = [8, 6, 5, 4, 3, 1]  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
+    head = {}
+    for layer, i, o in zip([0, 2, 4, 6, 7], widths, widths[1:], strict=False):
+        head[f"layers.{layer}.weight"] = torch.randn(o, i)
+        head[f"layers.{layer}.bias"] = torch.randn(o)
+    save_file(head, root / "head.safetensors")
+    torch.save(head, root / "head.pth")
+    clip = str(root / "clip")
+    return {
+        "RECAST_PICKSCORE": clip, "RECAST_PICKSCORE_PROCESSOR": clip, "RECAST_CLIPSCORE": clip,
+        "RECAST_AESTHETIC": clip, "RECAST_AESTHETIC_HEAD": str(root / "head.safetensors"),
+    }  # fmt: skip
+
+
+@pytest.fixture
+def with_rewards(reward_env, monkeypatch):
+    for k, v in reward_env.items():
+        monkeypatch.setenv(k, v)
+    return reward_env
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(SD3_PROMPTS) + "\n\n")
+    return str(path)
+
+
+def exact_images(n: int, seed: int = 0) -> torch.Tensor:
+    """(n, 3, 32, 32) in [-1, 1] on the uint8 grid, so a PIL round trip is lossless."""
+    k = torch.randint(256, (n, 3, 32, 32), generator=torch.Generator().manual_seed(seed))
+    return k / 127.5 - 1
+
+
+def to_pil(images: torch.Tensor) -> list:
+    from PIL import Image
+
+    rgb = ((images + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray(x) for x in rgb]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward models
+# ---------------------------------------------------------------------------------------------
+def test_preset_expands_to_the_papers_first_setting_in_order():
+    assert rewards.expand("paper1") == ["pickscore", "hpsv2", "clipscore", "aesthetic"]
+    assert rewards.expand(" clipscore ,paper1,") == ["clipscore", *rewards.PRESETS["paper1"]]
+    assert set(rewards.PRESETS["paper1"]) <= set(rewards.LOADERS)
+
+
+def test_clip_rewards_match_processor_and_model_forward(with_rewards):
+    """PickScore = logit_scale·cos and CLIPScore = 2.5·max(cos, 0), against transformers' own
+    preprocessing (PIL) and CLIPModel.forward on images where the two pipelines agree exactly."""
+    from transformers import AutoProcessor, CLIPModel
+
+    clip, cpu = with_rewards["RECAST_PICKSCORE"], torch.device("cpu")
+    model, processor = CLIPModel.from_pretrained(clip).eval(), AutoProcessor.from_pretrained(clip)
+    images, prompts = exact_images(6), SD3_PROMPTS[:6]
+    inputs = processor(text=prompts, images=to_pil(images), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**inputs).logits_per_image.diagonal()  # logit_scale · cos
+    cos = logits / model.logit_scale.exp()
+    assert cos.abs().max() > 0.05  # random CLIPs still disagree with some prompts
+    pick = rewards.score("pickscore", rewards.get("pickscore", cpu), images, prompts)
+    assert torch.allclose(pick, logits, rtol=1e-4, atol=1e-5)
+    clipscore = rewards.get("clipscore", cpu)(images, prompts)
+    assert torch.allclose(clipscore, 2.5 * cos.clamp(min=0), rtol=1e-4, atol=1e-5)
+    assert (clipscore == 0).any() and (clipscore > 0).any()
+
+
+def test_aesthetic_is_laions_mlp_on_normalised_image_embeddings(with_rewards, monkeypatch):
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor, CLIPModel
+
+    clip, head = with_rewards["RECAST_AESTHETIC"], with_rewards["RECAST_AESTHETIC_HEAD"]
+    model, processor = CLIPModel.from_pretrained(clip).eval(), AutoProcessor.from_pretrained(clip)
+    images = exact_images(5, seed=1)
+    pixels = processor(images=to_pil(images), return_tensors="pt")
+    laion = torch.nn.Sequential(  # improved-aesthetic-predictor's layout, dropouts included
+        torch.nn.Linear(8, 6), torch.nn.Dropout(0.2), torch.nn.Linear(6, 5), torch.nn.Dropout(0.2),
+        torch.nn.Linear(5, 4), torch.nn.Dropout(0.1), torch.nn.Linear(4, 3), torch.nn.Linear(3, 1),
+    ).eval()  # fmt: skip
+    laion.load_state_dict({k.removeprefix("layers."): v for k, v in load_file(head).items()})
+    with torch.no_grad():
+        embeds = model(**pixels, input_ids=torch.tensor([[512, 513]])).image_embeds  # normalised
+        expected = laion(embeds)[:, 0]
+    got = rewards.get("aesthetic", torch.device("cpu"))(images, SD3_PROMPTS[:5])
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv("RECAST_AESTHETIC_HEAD", head.removesuffix("safetensors") + "pth")
+    assert torch.allclose(
+        rewards.get("aesthetic", torch.device("cpu"))(images, SD3_PROMPTS[:5]), got
+    )
+
+
+def test_missing_aesthetic_head_and_hpsv2_package_say_what_to_do(with_rewards, monkeypatch):
+    monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
+    with pytest.raises(FileNotFoundError, match="RECAST_AESTHETIC_HEAD"):
+        rewards.get("aesthetic", torch.device("cpu"))
+    try:
+        import hpsv2  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pip install hpsv2"):
+            rewards.get("hpsv2", torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The SD3 world: adapters, reference, EMA, checkpoint state
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def world(sd3_dir, prompts_file):
+    import recast
+    import sd3world
+
+    args = recast.Args(
+        model=sd3_dir, prompts_file=prompts_file, resolution=32, lora_rank=4, lora_alpha=8
+    )
+    return sd3world.SD3World(args, torch.device("cpu"))
+
+
+def test_sd3_world_prompts_shapes_and_schedule(world):
+    assert (
+        world.train_prompts == SD3_PROMPTS[:-1] and world.eval_prompts == SD3_PROMPTS[-1:]
+    )  # 10%, ≥ 1
+    assert world.latent_shape == (4, 16, 16)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    sigmas = world.sigmas(4)
+    assert sigmas.shape == (5,) and sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas.diff() < 0).all()
+    for shift in (3.0, 1.0):  # the saved scheduler's own shift, 3
+        expected = FlowMatchEulerDiscreteScheduler(shift=shift)
+        expected.set_timesteps(4)
+        assert torch.equal(sigmas, expected.sigmas) == (shift == 3.0)
+    embeds, pooled = world.encode(SD3_PROMPTS[:3])
+    assert embeds.shape == (3, 77 + 256, 32) and pooled.shape == (3, 32)  # CLIP + zero T5 tokens
+    assert (embeds[:, 77:] == 0).all() and not torch.equal(embeds[0], embeds[1])
+    images = world.decode(torch.randn(10, 4, 16, 16))  # more than one decode chunk
+    assert images.shape == (10, 3, 32, 32) and images.abs().max() <= 1
+
+
+def test_sd3_world_policy_old_and_reference(world):
+    trainable = {k for k, p in world.transformer.named_parameters() if p.requires_grad}
+    assert trainable == {k for k in world.lora if ".default." in k} and trainable
+    assert all(p.dtype == torch.float32 for p in world.lora.values())
+    names = {k.split(".lora_")[0].split("attn.")[-1] for k in world.lora}
+    assert names == {"to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                     "to_add_out"}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 4, 16, 16, generator=gen), torch.tensor([0.9, 0.3])
+    cond = world.encode(SD3_PROMPTS[:2])
+    v = {w: world.v(w, x, cond, t).detach() for w in ("policy", "old", "ref")}
+    assert torch.equal(v["policy"], v["old"]) and torch.equal(v["policy"], v["ref"])  # B = 0
+    saved = {k: p.clone() for k, p in world.state_dict().items()}
+    with torch.no_grad():
+        for k, p in world.lora.items():
+            if ".default." in k and "lora_B" in k:
+                p.normal_(generator=gen)
+    v = {w: world.v(w, x, cond, t).detach() for w in ("policy", "old", "ref")}
+    assert not torch.allclose(v["policy"], v["ref"], atol=1e-3)
+    assert torch.equal(v["old"], v["ref"])  # the old adapter still has B = 0
+    assert {k for k, p in world.transformer.named_parameters() if p.requires_grad} == trainable
+    world.update_old(0.25)  # θ_old ← 0.25·θ_old + 0.75·θ
+    for k, p in world.lora.items():
+        if ".old." in k:
+            theta = world.lora[k.replace(".old.", ".default.")]
+            assert torch.allclose(p, 0.25 * saved[k] + 0.75 * theta, atol=1e-7)
+    world.load_state_dict(saved)
+    assert all(torch.equal(world.state_dict()[k], v) for k, v in saved.items())
+    assert torch.equal(world.v("policy", x, cond, t), world.v("ref", x, cond, t))
+
+
+# ---------------------------------------------------------------------------------------------
+# recast.py on SD3: bad flags, and one epoch end to end
+# ---------------------------------------------------------------------------------------------
+def run(*command, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
+
+
+def recast_run(out, *flags, ranks: int = 1, env=None) -> list[dict]:
+    """recast.py in one process, or under torchrun on `ranks` CPU processes (gloo); metrics."""
+    script = os.path.join(HERE, "recast.py")
+    if ranks == 1:
+        run(sys.executable, script, *flags, "--out", str(out), env=env)
+    else:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        run(*torchrun, f"--nproc_per_node={ranks}", script, *flags, "--out", str(out), env=env)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def recast_exit(capsys, *flags) -> str:
+    """recast.main(flags) in this process: it must exit with code 2; returns its stderr."""
+    import recast
+
+    with pytest.raises(SystemExit) as e:
+        recast.main(list(flags))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_sd3_flags_are_checked_before_anything_is_written(
+    sd3_dir, prompts_file, with_rewards, tmp_path, capsys, monkeypatch
+):
+    out = str(tmp_path / "run")
+    base = ["--model", sd3_dir, "--out", out, "--resolution", "32", "--device", "cpu"]
+    err = recast_exit(capsys, *base, "--lambda", "1,1,1,1", "--prompts-file", prompts_file)
+    assert "--rewards" in err and "toy" in err and "paper1" in err
+    sd3 = [*base, "--rewards", "pickscore,aesthetic", "--lambda", "1,1"]
+    assert "error: --prompts-file" in recast_exit(capsys, *sd3)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    assert "error: --prompts-file" in recast_exit(capsys, *sd3, "--prompts-file", str(empty))
+    err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--eval-prompts-file", "nope")
+    assert "error: --eval-prompts-file" in err
+    elsewhere = tmp_path / "not_a_pipeline"
+    elsewhere.mkdir()
+    err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--model", str(elsewhere))
+    assert "error: --model" in err
+    monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
+    err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file)
+    assert "error: --rewards" in err and "RECAST_AESTHETIC_HEAD" in err
+    assert not os.path.exists(out)
+
+
+def test_sd3_trains_one_epoch_end_to_end(sd3_dir, prompts_file, reward_env, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    flags = [
+        "--model", sd3_dir, "--rewards", "pickscore,clipscore,aesthetic", "--lambda", "0.5,0.3,0.2",
+        "--prompts-file", prompts_file, "--epochs", "1", "--prompts", "2", "--group-size", "2",
+        "--steps", "3", "--batch-size", "4", "--eval-seeds", "2", "--resolution", "32",
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--device", "cpu",
+    ]  # fmt: skip
+    lines = recast_run(out, *flags, env=reward_env)
+    assert [m["epoch"] for m in lines] == [0, 1]
+    m = lines[1]
+    W = torch.tensor(m["W"], dtype=torch.float64)
+    assert W.shape == (3, 3) and torch.tensor(m["D"]).shape == (3, 4)
+    assert torch.allclose(W.sum(1), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(W.sum(0), torch.full((3,), 1 / 3, dtype=torch.float64), atol=1e-5)
+    for name in ("pickscore", "clipscore", "aesthetic"):
+        assert f"reward/{name}" in m and f"eval/{name}" in m and f"eval/{name}" in lines[0]
+    assert (out / "summary.json").is_file() and (out / "samples.png").is_file()
+    state = load_file(out / "ckpt" / "epoch_0001" / "model.safetensors")
+    assert state and all(".lora_" in k for k in state)  # the adapters, not the base model
+    B = {k: v for k, v in state.items() if ".default." in k and "lora_B" in k}  # started at 0
+    # all trained but the last block's context queries: that block drops its context stream
+    untrained = {k for k, v in B.items() if v.abs().max() == 0}
+    assert len(B) == 15 and untrained == {
+        "transformer_blocks.1.attn.add_q_proj.lora_B.default.weight"
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: two ranks stay identical and match one process (slow)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def random_toy_model(tmp_path_factory):
+    """A toy-world transformer with random weights: the loop's arithmetic, not its results."""
+    from diffusers import SD3Transformer2DModel
+
+    import toyworld
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("toy") / "model"
+    SD3Transformer2DModel(**toyworld.MODEL_CONFIG).save_pretrained(path)
+    return str(path)
+
+
+TOY = ["--lambda", "0.4,0.2,0.2,0.2", "--epochs", "2", "--prompts", "4", "--group-size", "4",
+       "--batch-size", "32", "--eval-seeds", "1", "--device", "cpu"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_model, tmp_path):
+    """Same global batch on 2 ranks (2 epochs, then --resume to 3) and on 1 (3 epochs): every
+    epoch both ranks hold bit-identical W, θ and θ_old (recast.py checks it and logs the digest),
+    and the runs agree up to float summation order: W within 1e-5, rewards, evals and loss within
+    1e-4 relative, the weights' change within 1e-4 relative (seen: 9e-7, 3e-7, 1e-5)."""
+    from safetensors.torch import load_file
+
+    flags = ["--model", random_toy_model, *TOY]
+    recast_run(tmp_path / "two", *flags, ranks=2)
+    two = recast_run(tmp_path / "two", *flags, "--epochs", "3", "--resume", ranks=2)
+    one = recast_run(tmp_path / "one", *flags, "--epochs", "3")
+    assert [m["epoch"] for m in two] == [m["epoch"] for m in one] == [0, 1, 2, 3]
+    for a, b in zip(two[1:], one[1:], strict=True):
+        assert len(a["dist/sha256"]) == 64 and "dist/sha256" not in b
+        assert torch.allclose(torch.tensor(a["W"]), torch.tensor(b["W"]), atol=1e-5)
+        for k in [k for k in b if k.startswith(("reward/", "eval/"))] + ["loss"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert len({m["dist/sha256"] for m in two[1:]}) == 3  # the weights did move
+    base = load_file(os.path.join(random_toy_model, "diffusion_pytorch_model.safetensors"))
+    last = [load_file(tmp_path / run / "ckpt" / "epoch_0003" / "model.safetensors")
+            for run in ("two", "one")]  # fmt: skip
+    keys = [k for k in last[1] if k.startswith("policy.")]
+    change = [torch.cat([(w[k] - base[k[7:]].float()).flatten() for k in keys]) for w in last]
+    assert change[1].norm() > 0.01
+    assert (change[0] - change[1]).norm() / change[1].norm() < 1e-4
+
+
+def _desync_worker(rank: int, init_file: str, differ: bool, results):
+    import torch.distributed as dist
+
+    import recast
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    held = {"W": torch.full((2, 3), 0.5), "w": torch.arange(4.0) + (rank if differ else 0)}
+    try:
+        results.put((rank, recast.same_on_all_ranks(held, "in this test")))
+    except RuntimeError as e:
+        results.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differ", [False, True])
+def test_rank_check_catches_ranks_that_drifted(tmp_path, differ):
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_desync_worker, args=(str(tmp_path / "init"), differ, results), nprocs=2)
+    said = dict(results.get() for _ in range(2))
+    if differ:
+        assert all("ranks [1] hold another W or other weights" in s for s in said.values())
+    else:
+        assert said[0] == said[1] and len(said[0]) == 64
+
+
+@pytest.mark.slow
+def test_torchrun_trains_sd3_adapters_in_step(sd3_dir, prompts_file, reward_env, tmp_path):
+    """The SD3 world under DDP, with gradient checkpointing: adapters switched per forward,
+    adapters initialised alike on every rank."""
+    flags = [
+        "--model", sd3_dir, "--rewards", "pickscore,aesthetic", "--lambda", "0.5,0.5",
+        "--prompts-file", prompts_file, "--epochs", "2", "--prompts", "2", "--group-size", "2",
+        "--steps", "3", "--batch-size", "4", "--eval-seeds", "2", "--resolution", "32",
+        "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--device", "cpu",
+        "--grad-checkpointing",
+    ]  # fmt: skip
+    with pytest.raises(subprocess.CalledProcessError) as e:  # 1 held-out prompt for 2 ranks
+        recast_run(tmp_path / "few", *flags, ranks=2, env=reward_env)
+    assert "error: --eval-prompts-file" in e.value.stderr and not (tmp_path / "few").exists()
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a purple cat\na purple boat\n")
+    flags += ["--eval-prompts-file", str(held_out)]
+    lines = recast_run(tmp_path / "run", *flags, ranks=2, env=reward_env)
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
+    assert all(len(m["dist/sha256"]) == 64 for m in lines[1:])
+    assert lines[1]["dist/sha256"] != lines[2]["dist/sha256"]  # trained, in step

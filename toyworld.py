@@ -341,7 +341,7 @@ def report(out_dir: str) -> None:
     shown = 12 * seeds  # the first 12 held-out prompts, all their seeds
     panels = {
         "base model": images[:shown],
-        "ideal rendering": rows["ideal rendering"][:shown:seeds],
+        "ideal": rows["ideal rendering"][:shown:seeds],
     }
     plots.save_samples_figure(
         os.path.join(out_dir, "base_samples.png"), panels, HELDOUT_PROMPTS[:12]
@@ -377,7 +377,7 @@ if __name__ == "__main__":
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="retrain the shipped base model from scratch")
-    tr.add_argument("--steps", type=int, default=4000, help="optimizer steps")
+    tr.add_argument("--steps", type=int, default=3000, help="optimizer steps")
     tr.add_argument("--batch", type=int, default=64, help="images per step")
     tr.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (cosine decay)")
     tr.add_argument("--seed", type=int, default=0, help="seed of weights, data and noise")
