@@ -85,8 +85,8 @@ class Args:
     # --- NFT update ---
     beta: float = 1.0
     """NFT strength β (positive and negative policies are θ_old ± β(θ - θ_old))"""
-    lr: float = 1e-4
-    """AdamW learning rate"""
+    lr: float = 5e-5
+    """AdamW learning rate (1e-4 lets the near-saturated rewards drift down: see README)"""
     batch_size: int = 64
     """(image, timestep) pairs per optimizer step, all ranks together"""
     kl_coef: float = 0.0
@@ -170,7 +170,8 @@ def recast_weights(
     1/T, in the log domain — the entropic transport plan that puts each reward's budget where its
     gains are. Rows with λ_k = 0 stay 0."""
     K, T = gains.shape
-    lam = lam.double().cpu() / lam.sum()
+    lam = lam.double().cpu()
+    lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
     live = lam > 0
     log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor)[live].log() / tau
     log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
@@ -506,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
             ev, latest_images = run_eval()
             metrics.update({f"eval/{k}": v for k, v in ev.items()})
             if ideal is not None:  # fraction of the base → ideal-rendering gap closed
-                gap = {k: (ev[k] - base_eval[k]) / (ideal_eval[k] - base_eval[k]) for k in ev}
+                span = {k: ideal_eval[k] - base_eval[k] for k in ev}  # 0: nothing left to close
+                gap = {k: (ev[k] - base_eval[k]) / span[k] if span[k] else 0.0 for k in ev}
                 metrics.update({f"gap/{k}": v for k, v in gap.items()})
                 metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
             metrics["time/eval"] = time.perf_counter() - tic

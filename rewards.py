@@ -8,13 +8,14 @@ that signature to `REWARDS` (or register it with `@reward("name")`).
 The toy rewards, in the order `recast.py` uses them, each measuring one attribute of the toy world
 (toyworld.py) and each decided at a different point of denoising:
 - `position`:   minus the distance (pixels) of the object's centroid from the requested place;
-- `color`:      minus the RGB distance of the object's core colour from the requested colour;
+- `color`:      minus the mean RGB distance from the requested colour over the object's interior
+                (its mask eroded by a pixel): blotches and off-shades count, edges do not;
 - `sharpness`:  minus the mean "in-betweenness" 4a(1-a) of the object's soft mask a inside a band
                 around its boundary: a blurred edge has many half-object pixels, a crisp one few.
                 Noise near the edge makes pixels in-between too, so noise can only lower it (a plain
                 gradient-magnitude sharpness is gamed by noisy halos);
-- `background`: minus the mean absolute deviation from the plain background colour, away (> 3 px)
-                from the object.
+- `background`: minus the mean absolute deviation from the plain background colour of the worst
+                2% of background pixels away (> 3 px) from the object: specks, not the average.
 Judges: `shape` (1 if the drawn mask matches the requested shape better than the other two shapes
 of the same area and centroid) and `iou` (overlap of the drawn mask with the ideal rendering's).
 
@@ -146,7 +147,14 @@ def position(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 @reward("color")
 def color(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     _, colours = _targets(prompts, images.device)
-    return -(object_colour(_rgb(images)) - colours).norm(dim=1)
+    rgb = _rgb(images)
+    a = soft_mask(rgb)
+    core = -F.max_pool2d(-(a > 0.5).to(a.dtype)[:, None], 3, stride=1, padding=1)[
+        :, 0
+    ]  # erode 1 px
+    w = core + 1e-4 * a  # the object's interior; its soft mask only where it has no interior
+    err = (rgb - colours[:, :, None, None]).norm(dim=1)  # (B, H, W) per-pixel colour error
+    return -(w * err).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
 
 
 @reward("sharpness")
@@ -165,7 +173,8 @@ def background(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     near = F.max_pool2d(soft_mask(rgb)[:, None], 7, stride=1, padding=3)[:, 0]  # dilate by 3 px
     far = 1 - near
     dev = (rgb - torch.tensor(tw.BACKGROUND, device=rgb.device)[:, None, None]).abs().mean(1)
-    return -(far * dev).sum((1, 2)) / (far.sum((1, 2)) + 1e-6)
+    worst = (far * dev).flatten(1).topk(max(1, dev[0].numel() // 50), dim=1).values
+    return -worst.mean(1)  # the worst 2% of the background: specks, not the average
 
 
 # ---------------------------------------------------------------------------------------------

@@ -193,17 +193,24 @@ def plot_curves(results, args) -> None:
 
 
 def plot_weights(results, args) -> None:
-    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(3.2 * len(BUDGETS), 2.4))
-    for ax, lam in zip(axes, BUDGETS, strict=True):
-        W = torch.tensor([final(results[lam, "recast", s])["W"] for s in range(args.seeds)]).mean(0)
-        T = W.shape[1]
-        ax.imshow(W * T, cmap="magma", vmin=0, aspect="auto")
+    Ws = {
+        lam: torch.tensor([final(results[lam, "recast", s])["W"] for s in range(args.seeds)]).mean(
+            0
+        )
+        for lam in BUDGETS
+    }
+    T = next(iter(Ws.values())).shape[1]
+    top = max(float(W.max()) * T for W in Ws.values())
+    fig, axes = plt.subplots(1, len(BUDGETS), figsize=(3.2 * len(BUDGETS) + 1, 2.4))
+    for ax, (lam, W) in zip(axes, Ws.items(), strict=True):
+        im = ax.imshow(W * T, cmap="magma", vmin=0, vmax=top, aspect="auto")
         ax.set_yticks(range(len(REWARDS)), REWARDS if ax is axes[0] else [], fontsize=8)
         ax.set_xticks(range(0, T, 3))
         ax.set_title(f"λ = {lam}", fontsize=9)
-        ax.set_xlabel("timestep i")
+        ax.set_xlabel("timestep i (0 = noise)")
     fig.suptitle("mean final W·T under ReCAST (rows sum to λ·T, columns to 1)", fontsize=10)
     fig.tight_layout()
+    fig.colorbar(im, ax=axes, fraction=0.015)
     fig.savefig(os.path.join(args.out, "weights.png"), dpi=110)
     plt.close(fig)
 
