@@ -1,0 +1,58 @@
+"""Base vs final eval of one or more recast.py runs (seeds), as a markdown table.
+
+python benchmarks/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
+"""
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+
+def mean_std(xs: list[float]) -> str:
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.fmean(xs):+.3f} ± {sd:.3f}"
+
+
+def main(runs: list[str]) -> None:
+    lines = []
+    for run in runs:
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            lines.append([json.loads(line) for line in f])
+    base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
+    names = [k[5:] for k in base if k.startswith("eval/")]
+    print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs\n")
+    print("| | base model | final | fraction of the gap to the ideal closed | ideal rendering |")
+    print("|---|---|---|---|---|")
+    for n in names:
+        final = mean_std([m[f"eval/{n}"] for m in finals])
+        gap = mean_std([m[f"gap/{n}"] for m in finals])
+        print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {gap} | {base[f'ideal/{n}']:+.3f} |")
+    print(f"| **λ-weighted** | | | **{mean_std([m['gap/weighted'] for m in finals])}** | |")
+    # W: its marginals, and where each reward's weight sits (centroid over timesteps)
+    Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
+    lam = Ws[0].sum(1)
+    err = max(
+        max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
+    )
+    cents = torch.stack([(W * torch.arange(W.shape[1])).sum(1) / W.sum(1) for W in Ws])  # (E, K)
+    with open(os.path.join(runs[0], "args.json")) as f:
+        rewards = json.load(f)["rewards"].split(",")
+    print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
+    print(
+        "weight centroid (timestep, mean ± std over epochs): "
+        + ", ".join(
+            f"{n} {c.mean():.2f} ± {c.std():.2f}" for n, c in zip(rewards, cents.T, strict=True)
+        )
+    )
+    for k in range(1, len(rewards)):
+        before = int((cents[:, 0] < cents[:, k]).sum())
+        print(f"  {rewards[0]} before {rewards[k]}: {before} of {len(Ws)} epochs")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
