@@ -477,9 +477,7 @@ def main(argv: list[str] | None = None) -> None:
                 v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
             loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W_train.to(device),
                             args.beta, args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
-            if not torch.isfinite(
-                loss
-            ):  # nothing of this epoch is saved: the last checkpoint stays
+            if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
                 raise FloatingPointError(
                     f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
                     f"weights not saved, the last good checkpoint in {out}/ckpt is kept"
@@ -536,9 +534,7 @@ def main(argv: list[str] | None = None) -> None:
                 checkpoint.save(out, epoch, world.state_dict(), optimizer.state_dict(), state)
         log(log_line(metrics, names, W))
         if stop:
-            log(
-                f"stopped after epoch {epoch}; continue with: python recast.py --out {out} --resume"
-            )
+            log(f"stopped after epoch {epoch}; continue: python recast.py --out {out} --resume")
             break
     if rank == 0 and not stop:
         evals = [m for m in history if "eval/" + names[0] in m]
