@@ -43,12 +43,15 @@ REWARDS = ["position", "color", "sharpness", "background"]
 JUDGES = ["shape", "iou"]
 
 
-def run_one(out: str, lam: str, weighting: str, seed: int, epochs: int, threads: int) -> str:
+def run_one(
+    out: str, lam: str, weighting: str, seed: int, epochs: int, eval_every: int, threads: int
+) -> str:
     """One recast.py run (resumed if a previous sweep left it unfinished); returns its folder."""
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
     cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", lam]
     cmd += ["--weighting", weighting, "--seed", str(seed), "--epochs", str(epochs), "--out", out]
+    cmd += ["--eval-every", str(eval_every)]
     if os.path.exists(os.path.join(out, "args.json")):
         cmd.append("--resume")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -85,6 +88,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "paper"), help="sweep folder")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per budget and weighting")
     ap.add_argument("--epochs", type=int, default=None, help="epochs per run (recast.py's default)")
+    ap.add_argument("--eval-every", type=int, default=2, help="epochs between held-out evals")
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at once (one core each)")
     args = ap.parse_args()
     if args.epochs is None:
@@ -101,7 +105,7 @@ def main() -> None:
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     with ThreadPoolExecutor(args.jobs) as pool:
         futures = [
-            pool.submit(run_one, out, lam, w, s, args.epochs, threads)
+            pool.submit(run_one, out, lam, w, s, args.epochs, args.eval_every, threads)
             for (lam, w, s), out in plan.items()
         ]
         for f in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
