@@ -11,7 +11,7 @@ Writes, into --out:
   runs/<budget>-<weighting>-s<seed>/   the runs themselves.
 A sweep that was interrupted resumes: finished runs are skipped, unfinished ones `--resume`d.
 
-    python benchmarks/paper_table.py                 # 5 × 3 × 3 = 45 runs, ~2.5 h on 2 cores
+    python benchmarks/paper_table.py --epochs 8      # 5 × 3 × 3 = 45 runs, 111 min on 2 cores
     python benchmarks/paper_table.py --seeds 1 --epochs 2 --out /tmp/sweep   # a quick look
 """
 
