@@ -1,7 +1,8 @@
 """Does ReCAST help? The paper's comparison, in the toy world.
 
 Five reward budgets λ × three weightings (recast, uniform = λ/T, sum = DiffusionNFT's single reward
-Σ λ_k s_k) × several seeds, every run `recast.py` with its defaults and the same number of epochs.
+Σ λ_k s_k) × several seeds, every run `recast.py` with its defaults and the same number of epochs
+(held-out eval every --eval-every epochs, for the learning curves).
 Writes, into --out:
   table.md             final eval per budget and weighting: mean ± std over seeds of each reward,
                        each held-out judge, and the λ-weighted fraction of the base → ideal gap
