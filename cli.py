@@ -86,7 +86,8 @@ def parse_lambda(text: str, names: list[str]) -> torch.Tensor:
 
 def check(args, world_size: int, resumable: set[str]) -> None:
     """Ranges, divisibility, and the run folder: everything checkable before loading a model."""
-    for name in ["prompts", "steps", "batch_size", "eval_seeds", "eval_every", "ckpt_every"]:
+    for name in ["prompts", "steps", "batch_size", "grad_accum", "eval_seeds", "eval_every",
+                 "ckpt_every"]:  # fmt: skip
         if getattr(args, name) < 1:
             fail(flag_of(name), f"must be ≥ 1, got {getattr(args, name)}")
     if args.gain_every < 1:
@@ -100,7 +101,7 @@ def check(args, world_size: int, resumable: set[str]) -> None:
     for name in ["alpha", "tau", "beta", "lr", "adv_clip_max", "grad_clip"]:
         if not 0 < getattr(args, name) < math.inf:
             fail(flag_of(name), f"must be > 0 and finite, got {getattr(args, name)}")
-    for name in ["floor", "gain_frac"]:
+    for name in ["floor", "gain_frac", "train_frac"]:
         if not 0 < getattr(args, name) <= 1:
             fail(flag_of(name), f"must be in (0, 1], got {getattr(args, name)}")
     for name in ["gain_ema", "decay_cap"]:

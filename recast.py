@@ -88,7 +88,11 @@ class Args:
     lr: float = 5e-5
     """AdamW learning rate (1e-4 lets the near-saturated rewards drift down: see README)"""
     batch_size: int = 64
-    """(image, timestep) pairs per optimizer step, all ranks together"""
+    """(image, timestep) pairs per forward/backward (micro-batch), all ranks together"""
+    grad_accum: int = 1
+    """micro-batches whose gradients are summed into one optimizer step"""
+    train_frac: float = 1.0
+    """fraction of the epoch's (image, timestep) pairs trained on, drawn at random each epoch"""
     kl_coef: float = 0.0
     """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model"""
     adv_clip_max: float = 5.0
@@ -335,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optimizer.zero_grad(set_to_none=True)
 
     # --- run folder: new, or resumed from its last good checkpoint ---
     args.out = out = args.out or os.path.join(
@@ -428,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         tic = time.perf_counter()
         per_image = [p for p in my_prompts for _ in range(G)]
         final = score_all(reward_fns, world.decode(x0), per_image)  # (K, n)
+        metrics["time/score"] = time.perf_counter() - tic
+        tic = time.perf_counter()  # ReCAST's own cost from here to the end of phase 3
         score_steps = (epoch - 1) % args.gain_every == 0
         if score_steps:  # reward k on every step prediction of the first gain_frac of the groups
             m = max(1, round(args.gain_frac * P_local)) * G
@@ -440,10 +447,8 @@ def main(argv: list[str] | None = None) -> None:
             r = group_optimality(final, G, args.adv_clip_max)  # (K, N) in [0, 1]
         metrics.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
         metrics["groups/constant"] = int((final.view(K, -1, G).std(2) == 0).sum())
-        metrics["time/score"] = time.perf_counter() - tic
 
         # ---- 3. gains (DESIGN §4), their EMA across epochs, and W (DESIGN §5) ----
-        tic = time.perf_counter()
         if score_steps:
             D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)  # (K,T+1), (K,T)
             gains = gains.double().cpu()
@@ -456,15 +461,20 @@ def main(argv: list[str] | None = None) -> None:
             W = (lam[:, None] / T).expand(K, T).float()
         W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
         metrics["W"] = W.tolist()
-        metrics["time/weights"] = time.perf_counter() - tic
+        metrics["time/recast"] = time.perf_counter() - tic  # step scores, gains, Sinkhorn
 
         # ---- 4. NFT update at every (image, timestep) pair, each with its own r̄ (DESIGN §6) ----
         tic = time.perf_counter()
         N, losses = x0.shape[0], []
         cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
         pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
-        for s in tqdm(range(0, N * T, args.batch_size), f"epoch {epoch} update", **bar):
+        pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
+        micro = list(range(0, len(pairs), args.batch_size))
+        for j, s in enumerate(tqdm(micro, f"epoch {epoch} update", **bar)):
             batch = pairs[s : s + args.batch_size]
+            step_start = j - j % args.grad_accum  # the micro-batches of this optimizer step
+            step_end = min(step_start + args.grad_accum, len(micro))
+            step_pairs = min(len(pairs), micro[step_end - 1] + args.batch_size) - micro[step_start]
             eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
             mine = slice(rank * len(batch) // world_size, (rank + 1) * len(batch) // world_size)
             n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
@@ -482,12 +492,13 @@ def main(argv: list[str] | None = None) -> None:
                     f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
                     f"weights not saved, the last good checkpoint in {out}/ckpt is kept"
                 )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            optimizer.step()
-            opt_steps += 1
+            (loss * len(batch) / step_pairs).backward()  # the step's gradient: mean over its pairs
             losses.append(loss.detach())
+            if j + 1 == step_end:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                opt_steps += 1
         metrics["loss"] = gather(torch.stack(losses).mean()[None]).mean().item()
         metrics["time/update"] = time.perf_counter() - tic
 
@@ -553,12 +564,16 @@ def main(argv: list[str] | None = None) -> None:
 
 def save_samples(out, base_images, latest_images, ideal, eval_prompts, epoch, args) -> None:
     """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
-    rows = min(8, len(latest_images) // args.eval_seeds)  # the first held-out prompts, all seeds
-    shown = rows * args.eval_seeds
-    panels = {"base model": base_images[:shown], f"epoch {epoch}": latest_images[:shown]}
+    held = len(latest_images) // args.eval_seeds  # held-out prompts in this rank's share
+    rows = min(8, held)  # evenly spaced through the sorted list: several colours, shapes, places
+    pick = [round(j * (held - 1) / max(1, rows - 1)) for j in range(rows)]
+    seeds = [p * args.eval_seeds + s for p in pick for s in range(args.eval_seeds)]
+    panels = {"base model": base_images[seeds], f"epoch {epoch}": latest_images[seeds]}
     if ideal is not None:
-        panels["ideal"] = ideal[: shown : args.eval_seeds]
-    plots.save_samples_figure(os.path.join(out, "samples.png"), panels, eval_prompts[:rows])
+        panels["ideal"] = ideal[[p * args.eval_seeds for p in pick]]
+    plots.save_samples_figure(
+        os.path.join(out, "samples.png"), panels, [eval_prompts[p] for p in pick]
+    )
 
 
 def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:

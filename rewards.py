@@ -127,14 +127,6 @@ def centroid(a: torch.Tensor) -> torch.Tensor:
     return torch.stack([(a.sum(1) * xs).sum(1) / mass, (a.sum(2) * ys).sum(1) / mass], 1)
 
 
-def _blur(a: torch.Tensor, sigma: float) -> torch.Tensor:
-    r = int(3 * sigma)
-    k = torch.exp(-((torch.arange(-r, r + 1, device=a.device, dtype=a.dtype) / sigma) ** 2) / 2)
-    k = k / k.sum()
-    x = F.conv2d(F.pad(a[:, None], (r, r, 0, 0), mode="replicate"), k.view(1, 1, 1, -1))
-    return F.conv2d(F.pad(x, (0, 0, r, r), mode="replicate"), k.view(1, 1, -1, 1))[:, 0]
-
-
 # ---------------------------------------------------------------------------------------------
 # The four toy rewards
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +152,7 @@ def color(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 @reward("sharpness")
 def sharpness(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     a = soft_mask(_rgb(images))
-    s = _blur((a > 0.5).to(a.dtype), 1.5)
+    s = tw.blur((a > 0.5).to(a.dtype), 1.5)
     band = 4 * s * (1 - s)  # ≈ 1 within ~2 px of the hard mask's boundary, 0 far from it
     between = 4 * a * (1 - a)  # 1 for a half-object pixel, 0 for object or background
     # one pixel of "pure in-between" in the numerator: an image with no boundary scores ≈ -1

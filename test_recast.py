@@ -603,7 +603,7 @@ def test_color_reward_measures_color():
 def test_sharpness_reward_measures_edges_and_is_not_raised_by_noise():
     images = tw.render(P)
     ideal = rewards.sharpness(images, P)
-    blurred = rewards.sharpness(rewards._blur(images.flatten(0, 1), 1.0).view_as(images), P)
+    blurred = rewards.sharpness(tw.blur(images.flatten(0, 1), 1.0).view_as(images), P)
     assert (ideal > blurred + 0.1).all()
     gen = torch.Generator().manual_seed(0)
     for amplitude in (0.02, 0.05, 0.1, 0.3):
@@ -629,6 +629,45 @@ def test_judges_measure_shape_and_overlap():
     assert (rewards.iou(tw.render(_swap(P, 2, list(tw.POSITIONS))), P) < 0.5).all()
     blank = torch.tensor(tw.BACKGROUND).view(1, 3, 1, 1).expand_as(images) * 2 - 1
     assert rewards.shape(blank, P).eq(0).all() and rewards.iou(blank, P).eq(0).all()
+
+
+def _with_defect(k: int | None, seed: int = 0) -> torch.Tensor:
+    """World pictures of the held-out prompts with only defect k (None: none at all)."""
+    has = torch.zeros(len(P), 4, dtype=torch.bool)
+    if k is not None:
+        has[:, k] = True
+    return tw.render(P, torch.Generator().manual_seed(seed), has)
+
+
+@pytest.mark.parametrize("k", range(4), ids=tw.DEFECTS)
+def test_each_reward_measures_its_own_defect(k):
+    """Defect k (misplacement, colour cast, blur, specks) lowers reward k for every image and
+    barely moves the others (in units of each reward's spread over the world's pictures)."""
+    fns = [rewards.get(n, "cpu") for n in tw.ToyWorld.reward_names]
+    clean, flawed = _with_defect(None), _with_defect(k)  # same seed: same size jitter
+    drop = torch.stack([fn(clean, P) - fn(flawed, P) for fn in fns])  # (K, B), > 0: worse
+    smallest = {0: 0.8, 1: 0.08, 2: 0.08, 3: 0.01}[k]  # a clear drop, in reward k's units
+    assert (drop[k] > smallest).all(), drop[k]
+    world = tw.render(P * 4, torch.Generator().manual_seed(1))  # each reward's spread in the world
+    unit = torch.stack([fn(world, P * 4).std() for fn in fns])
+    effect = drop.mean(1) / unit  # in units of each reward's own spread
+    others = [j for j in range(4) if j != k]
+    assert effect[k] > 0.5 and (effect[others].abs() < 0.2 * effect[k]).all(), effect
+
+
+def test_world_defects_are_common_clean_pictures_too():
+    """About a third of the world's pictures are clean in each respect (reward k equals that of the
+    same picture drawn without defects), and within a group of 8 pictures of one prompt every
+    reward has a real spread (what group comparisons need)."""
+    prompts = [p for p in P for _ in range(8)]
+    images = tw.render(prompts, torch.Generator().manual_seed(0))
+    none = torch.zeros(len(prompts), 4, dtype=torch.bool)  # the same draws, no defect applied
+    plain = tw.render(prompts, torch.Generator().manual_seed(0), none)
+    for n in tw.ToyWorld.reward_names:
+        s, s_plain = rewards.get(n, "cpu")(images, prompts), rewards.get(n, "cpu")(plain, prompts)
+        clean = ((s - s_plain).abs() < 0.05 * (s - s_plain).abs().max()).float().mean()
+        assert 0.2 < clean < 0.5, (n, clean)
+        assert (s.view(-1, 8).std(1) > 0).float().mean() > 0.9, n
 
 
 def test_nonfinite_reward_names_reward_and_prompt():
@@ -665,9 +704,10 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
 
 
 def test_base_model_position_is_decided_before_sharpness_and_background(toy_world):
-    names, D, gains, profiles = tw.base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
+    names, D, gains, profiles, _ = tw.base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
     c = dict(zip(names, centroid(profiles).tolist(), strict=True))
     assert c["position"] < c["sharpness"] and c["position"] < c["background"], c
+    assert max(c.values()) - min(c.values()) >= 1.5, c  # spread over the trajectory (T = 10)
     assert torch.allclose(gains.sum(1), D[:, -1], atol=1e-5)  # the gains telescope to D_T
 
 
@@ -802,7 +842,7 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
             "loss",
             "time/rollout",
             "time/score",
-            "time/weights",
+            "time/recast",
             "time/update",
             "W",
             "gains",
@@ -841,6 +881,7 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--epochs", "two"], "--epochs"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--group-size", "1"], "--group-size"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--tau", "0"], "--tau"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--grad-accum", "0"], "--grad-accum"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
 ]

@@ -40,7 +40,15 @@ POSITIONS = {  # object centre (x, y) in pixels
 BACKGROUND = (0.08, 0.08, 0.10)
 AREA = 113.0  # canonical object area in pixels (a circle of radius 6)
 SIZE_JITTER = 0.2  # scale ~ U(1 - j, 1 + j) in the world; the ideal rendering has none
-PLACE_JITTER = 2.0  # pixels, ~ U(-j, j) per axis
+# The world's pictures (what the base model learns from) carry four defects, one per reward, drawn
+# independently per image and each absent with probability CLEAN: the ideal is inside what the base
+# model draws, as in real text-to-image RL, and reinforcement has something to move toward.
+CLEAN = 1 / 3
+OFFSET = (1.0, 5.0)  # misplacement: pixels from the named place, in a random direction
+CAST = (0.15, 0.6)  # colour cast: fraction of the way toward another palette colour
+BLUR = (0.5, 1.5)  # soft edges: σ in pixels of a Gaussian blur of the shape's mask
+SPECKS = (1, 5)  # clutter: 2×2-pixel specks on the background, ≥ 3 px from the shape
+SPECK_BRIGHTNESS = 0.6  # specks differ from the background orthogonally to the object's colour
 N_HELDOUT = 32
 MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_model")
 
@@ -88,27 +96,77 @@ def shape_sdf(shape: str, cx: torch.Tensor, cy: torch.Tensor, scale: torch.Tenso
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(prompts: list[str], generator: torch.Generator | None = None) -> torch.Tensor:
-    """Images (B, 3, SIZE, SIZE) in [-1, 1]; jittered if a generator is given, else ideal."""
-    B = len(prompts)
-    if generator is None:
-        scale, shift = torch.ones(B), torch.zeros(B, 2)
-    else:
-        scale = 1 + SIZE_JITTER * (2 * torch.rand(B, generator=generator) - 1)
-        shift = PLACE_JITTER * (2 * torch.rand(B, 2, generator=generator) - 1)
-    bg = torch.tensor(BACKGROUND)[:, None, None]
+def blur(a: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur (σ in pixels, edges replicated) of masks a (B, H, W)."""
+    r = max(1, int(3 * sigma))
+    k = torch.exp(-((torch.arange(-r, r + 1, device=a.device, dtype=a.dtype) / sigma) ** 2) / 2)
+    k = k / k.sum()
+    x = F.conv2d(F.pad(a[:, None], (r, r, 0, 0), mode="replicate"), k.view(1, 1, 1, -1))
+    return F.conv2d(F.pad(x, (0, 0, r, r), mode="replicate"), k.view(1, 1, -1, 1))[:, 0]
+
+
+def _uniform(lo: float, hi: float, n: int, gen: torch.Generator) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(n, generator=gen)
+
+
+DEFECTS = ("misplacement", "colour cast", "blur", "specks")  # in the order of the rewards
+
+
+def render(
+    prompts: list[str],
+    generator: torch.Generator | None = None,
+    defects: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Images (B, 3, SIZE, SIZE) in [-1, 1]: the ideal rendering if no generator is given, else a
+    picture of the world, with size jitter and each of the four DEFECTS present with probability
+    1 - CLEAN (magnitudes above), or where `defects` (B, 4) bool says so."""
+    B, gen = len(prompts), generator
+    words = parse(prompts)
+    bg = torch.tensor(BACKGROUND)
+    colour = torch.tensor([COLORS[c] for c, _, _ in words])  # (B, 3)
+    centre = torch.tensor([POSITIONS[p] for _, _, p in words])  # (B, 2) x, y
+    scale, sigma, n_specks = torch.ones(B), torch.zeros(B), torch.zeros(B, dtype=torch.long)
+    if gen is not None:
+        has = torch.rand(B, 4, generator=gen) >= CLEAN  # (B, defect)
+        has = has if defects is None else defects.bool()
+        scale = 1 + SIZE_JITTER * (2 * torch.rand(B, generator=gen) - 1)
+        radius, angle = _uniform(*OFFSET, B, gen), _uniform(0, 2 * math.pi, B, gen)
+        centre = centre + has[:, :1] * radius[:, None] * torch.stack([angle.cos(), angle.sin()], 1)
+        other = (torch.tensor([list(COLORS).index(c) for c, _, _ in words])
+                 + torch.randint(1, len(COLORS), (B,), generator=gen)) % len(COLORS)  # fmt: skip
+        cast = has[:, 1] * _uniform(*CAST, B, gen)
+        palette = torch.tensor(list(COLORS.values()))
+        colour = colour + cast[:, None] * (palette[other] - colour)
+        sigma = has[:, 2] * _uniform(*BLUR, B, gen)
+        n_specks = has[:, 3] * torch.randint(SPECKS[0], SPECKS[1] + 1, (B,), generator=gen)
     images = torch.empty(B, 3, SIZE, SIZE)
-    for n, (color, shape, pos) in enumerate(parse(prompts)):
-        cx, cy = POSITIONS[pos]
-        sdf = shape_sdf(
-            shape,
-            torch.tensor([cx]) + shift[n, :1],
-            torch.tensor([cy]) + shift[n, 1:],
-            scale[n : n + 1],
-        )
+    for n, (_, shape, _) in enumerate(words):
+        sdf = shape_sdf(shape, centre[n, :1], centre[n, 1:], scale[n : n + 1])
         alpha = (0.5 - sdf).clamp(0, 1)  # (1, H, W): a one-pixel anti-aliased edge
-        images[n] = bg + alpha * (torch.tensor(COLORS[color])[:, None, None] - bg)
-    return images * 2 - 1
+        if sigma[n] > 0:
+            alpha = blur(alpha, sigma[n].item())
+        images[n] = bg[:, None, None] + alpha * (colour[n] - bg)[:, None, None]
+        if n_specks[n] > 0:
+            images[n] = _add_specks(images[n], sdf[0], colour[n] - bg, int(n_specks[n]), gen)
+    return images.clamp(0, 1) * 2 - 1
+
+
+def _add_specks(image, sdf, direction, count, gen):
+    """`count` 2×2 specks on the background, ≥ 3 px from the shape, of a colour that differs from
+    the background orthogonally to the object's colour (so they never look like part of it)."""
+    free = (sdf[:-1, :-1] > 3) & (sdf[1:, 1:] > 3) & (sdf[:-1, 1:] > 3) & (sdf[1:, :-1] > 3)
+    spots = free.flatten().nonzero().flatten()
+    if len(spots) == 0:
+        return image
+    image = image.clone()
+    d = direction / direction.norm()
+    for k in spots[torch.randint(len(spots), (count,), generator=gen)].tolist():
+        y, x = divmod(k, SIZE - 1)
+        u = torch.rand(3, generator=gen)
+        u = u - (u @ d) * d  # orthogonal to the object's colour direction
+        tint = SPECK_BRIGHTNESS * u / u.norm().clamp(min=1e-6)
+        image[:, y : y + 2, x : x + 2] = image[:, y : y + 2, x : x + 2] + tint[:, None, None]
+    return image
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +333,8 @@ def base_profiles(
     alpha: float = 2.0,
     floor: float = 0.1,
 ):
-    """DESIGN §4 on base-model samples: (names, D, gains, profiles), G images per prompt."""
+    """DESIGN §4 on base-model samples, G images per prompt: (names, D, gains, profiles, scores),
+    scores (K, T+1, N) of every step prediction and of the final images."""
     import recast
     import rewards
     from kernels.renyi import renyi_gains
@@ -292,7 +351,7 @@ def base_profiles(
         [recast.score_all(fns, im, per_image) for im in [*preds, x0]], 1
     )  # (K, T+1, N)
     D, gains = renyi_gains(scores, group_size, alpha)
-    return names, D, gains, recast.gain_profiles(gains, floor)
+    return names, D, gains, recast.gain_profiles(gains, floor), scores
 
 
 def report(out_dir: str) -> None:
@@ -316,13 +375,13 @@ def report(out_dir: str) -> None:
     scorers = {n: rewards.get(n, world.device) for n in (*world.reward_names, *world.judge_names)}
     base, images = recast.evaluate(world, scorers, prompts, noise, world.sigmas(10), 64, "ref")
     gen = torch.Generator().manual_seed(0)
-    world_images = render(prompts, gen)  # the training distribution: right prompt, jittered
+    world_images = render(prompts, gen)  # what the base model learnt from: defects and all
     chance_images = render(
         [PROMPTS[i] for i in torch.randint(len(PROMPTS), (len(prompts),), generator=gen)], gen
     )
     rows = {
         "ideal rendering": render(prompts),
-        "world sample (jittered)": world_images,
+        "world picture (defects)": world_images,
         "base model": images,
         "chance (random prompt)": chance_images,
     }
@@ -347,7 +406,10 @@ def report(out_dir: str) -> None:
         os.path.join(out_dir, "base_samples.png"), panels, HELDOUT_PROMPTS[:12]
     )
 
-    names, D, gains, prof = base_profiles(world, TRAIN_PROMPTS[::2], 8, seed=0)
+    names, D, gains, prof, scores = base_profiles(world, TRAIN_PROMPTS[::2], 8, seed=0)
+    spread = scores[:, -1].view(len(names), -1, 8).std(2).mean(1)  # (K,) within a group of 8
+    print("base model, mean within-group std of 8 samples:",
+          {n: round(v.item(), 3) for n, v in zip(names, spread, strict=True)})  # fmt: skip
     cents = recast.centroid(prof)
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for k, n in enumerate(names):
@@ -386,6 +448,18 @@ if __name__ == "__main__":
     rep.add_argument("--out", default="docs", help="folder for the PNGs")
     args = ap.parse_args()
     if args.cmd == "train":
+        bad = [
+            (flag, why)
+            for flag, ok, why in [
+                ("--steps", args.steps >= 1, f"must be ≥ 1, got {args.steps}"),
+                ("--batch", args.batch >= 1, f"must be ≥ 1, got {args.batch}"),
+                ("--lr", 0 < args.lr < math.inf, f"must be > 0 and finite, got {args.lr}"),
+                ("--seed", args.seed >= 0, f"must be ≥ 0, got {args.seed}"),
+            ]
+            if not ok
+        ]
+        if bad:
+            ap.exit(2, f"toyworld.py train: error: {bad[0][0]}: {bad[0][1]}\n")
         train_base(args.steps, args.batch, args.lr, args.seed, args.out)
     else:
         report(args.out)

@@ -1,0 +1,147 @@
+"""How the training recipe was chosen: is each optimizer step signal, and how fast does it learn?
+
+Every measurement here uses `--weighting uniform` (W = λ/T), never ReCAST's own W, so that the
+recipe it picks favours neither arm of a later comparison.
+
+    python benchmarks/recipe.py signal            # repeatability of the update on the base model
+    python benchmarks/recipe.py sweep             # learning speed of a few recipes (resumable)
+
+`signal`: one epoch's rollout from the base model (the default --prompts × --group-size images, all
+T timesteps of each, r from group-standardised rewards mixed by W = λ/T), then the NFT gradient
+(DESIGN §6, at θ = θ_old) of every micro-batch of --batch-size pairs. The gradient of an optimizer
+step over m micro-batches is their mean; the cosine between two disjoint such steps says how much of
+a step is signal (1: all signal; ≈ 0: noise). Printed for m = 1, 2, 5, half the epoch, with the
+mean over every disjoint pair of steps.
+
+`sweep`: the recipes in RECIPES below, each a recast.py run with --weighting uniform, one seed,
+two at a time with one thread each; a finished run is skipped, an interrupted one resumed. Prints
+the λ-weighted gap closed at each eval and per minute of the run's own time (sum of time/*).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import cli  # noqa: E402
+import recast  # noqa: E402
+import rewards  # noqa: E402
+from kernels.nft_loss import reference_nft_loss  # noqa: E402
+from kernels.renyi import group_optimality  # noqa: E402
+
+LAMBDA = "0.4,0.2,0.2,0.2"
+# name → recast.py flags on top of its defaults (and --weighting uniform, --lambda LAMBDA)
+RECIPES = {
+    "beta1-lr5e-5": ["--beta", "1", "--lr", "5e-5"],
+    "beta0.1-lr5e-5": ["--beta", "0.1", "--lr", "5e-5"],
+    "beta0.1-lr5e-5-frac0.5": ["--beta", "0.1", "--lr", "5e-5", "--train-frac", "0.5"],
+    "beta0.1-lr5e-5-kl1e-4": ["--beta", "0.1", "--lr", "5e-5", "--kl-coef", "1e-4"],
+    "beta0.1-lr1.5e-4-accum4": ["--beta", "0.1", "--lr", "1.5e-4", "--grad-accum", "4"],
+}
+
+
+def signal(args) -> None:
+    torch.set_num_threads(args.threads)
+    a = recast.Args(lam=LAMBDA, weighting="uniform", seed=args.seed)
+    world = recast.load_world(a, torch.device("cpu"))
+    names = rewards.expand(a.rewards)
+    lam = cli.parse_lambda(LAMBDA, names)
+    T, G, P = a.steps, a.group_size, a.prompts
+    gen = torch.Generator().manual_seed(args.seed)
+    idx = torch.randint(len(world.train_prompts), (P,), generator=gen)
+    prompts = [world.train_prompts[i] for i in idx]
+    per_image = [p for p in prompts for _ in range(G)]
+    cond = world.encode(per_image)
+    sigmas = world.sigmas(T)
+    noise = torch.randn(P * G, *world.latent_shape, generator=gen)
+    x0, _ = recast.sample(lambda x, c, t: world.v("old", x, c, t), noise, cond, sigmas)
+    fns = {n: rewards.get(n, world.device) for n in names}
+    r = group_optimality(recast.score_all(fns, x0, per_image), G, a.adv_clip_max)  # (K, N)
+    W = (lam[:, None] / T).expand(len(names), T).float()
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    pairs = torch.randperm(P * G * T, generator=gen)
+    grads = []
+    for s in range(0, len(pairs), a.batch_size):
+        batch = pairs[s : s + a.batch_size]
+        n, i = batch // T, batch % T
+        t = sigmas[i]
+        eps = torch.randn(len(batch), *world.latent_shape, generator=gen)
+        x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
+        c = tuple(cc[n] for cc in cond)
+        v_theta = world.v("policy", x_t, c, t)
+        with torch.no_grad():
+            v_old = world.v("old", x_t, c, t)
+        loss = reference_nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, a.beta)
+        world.trainable.zero_grad(set_to_none=True)
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in params]))
+    grads = torch.stack(grads)  # (micro-batches, parameters)
+    M = len(grads)
+    print(f"{P} prompts × {G} images × {T} timesteps = {len(pairs)} pairs, {M} micro-batches of "
+          f"{a.batch_size}; base model; W = λ/T with λ = {LAMBDA}")  # fmt: skip
+    print("| pairs per optimizer step | steps per epoch | cosine of two disjoint steps |")
+    print("|---|---|---|")
+    for m in sorted({1, 2, 5, M // 2}):
+        steps = grads[: (M // m) * m].view(M // m, m, -1).mean(1)
+        unit = steps / steps.norm(dim=1, keepdim=True)
+        cos = [float(unit[i] @ unit[j]) for i, j in itertools.combinations(range(len(unit)), 2)]
+        print(f"| {m * a.batch_size} | {M // m} | {sum(cos) / len(cos):+.3f} ({len(cos)} pairs) |")
+
+
+def run_one(out: str, flags: list[str], seed: int, epochs: int) -> str:
+    if os.path.exists(os.path.join(out, "summary.json")):
+        return out
+    cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", LAMBDA, "--weighting"]
+    cmd += ["uniform", "--seed", str(seed), "--epochs", str(epochs), "--eval-every", "2"]
+    cmd += [*flags, "--out", out] + (["--resume"] if os.path.exists(out) else [])
+    with open(out + ".log", "a") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    return out
+
+
+def sweep(args) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    names = [n for n in RECIPES if not args.only or n in args.only.split(",")]
+    outs = {n: os.path.join(args.out, n) for n in names}
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(run_one, outs[n], RECIPES[n], args.seed, args.epochs) for n in names]:
+            f.result()
+    print(f"--weighting uniform --lambda {LAMBDA} --seed {args.seed} --epochs {args.epochs}")
+    print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "
+          "gap per minute |\n|---|---|---|---|---|")  # fmt: skip
+    for n in names:
+        with open(os.path.join(outs[n], "metrics.jsonl")) as f:
+            ms = [json.loads(line) for line in f]
+        secs = sum(v for m in ms for k, v in m.items() if k.startswith("time/"))
+        curve = " / ".join(f"{m['gap/weighted']:.3f}" for m in ms if "gap/weighted" in m)
+        last = ms[-1]
+        per = ", ".join(f"{k[4:]} {v:+.2f}" for k, v in last.items()
+                        if k.startswith("gap/") and k != "gap/weighted")  # fmt: skip
+        gap = last["gap/weighted"]
+        print(f"| {n} | {curve} | {per} | {secs / 60:.1f} | {gap / (secs / 60):.3f} |")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sg = sub.add_parser("signal", help="repeatability of the update on the base model")
+    sg.add_argument("--seed", type=int, default=0)
+    sg.add_argument("--threads", type=int, default=1)
+    sw = sub.add_parser("sweep", help="learning speed of the recipes (resumable)")
+    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--epochs", type=int, default=8)
+    sw.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
+    sw.add_argument("--out", default="sweeps/recipe")
+    args = ap.parse_args()
+    signal(args) if args.cmd == "signal" else sweep(args)
