@@ -1,4 +1,4 @@
-"""Fused per-timestep weighted DiffusionNFT loss, forward and backward in one pass pair (DESIGN §6).
+"""Fused per-timestep weighted DiffusionNFT loss: three launches, no host sync (DESIGN §6).
 
 What it computes
 ----------------
@@ -13,7 +13,7 @@ matrix W (K, T) at the image's timestep index i_n = t_index[n]:
     loss = A_max · mean_n ℓ_n  +  κ · mean_n mean_d (vθ - v_ref)²      (κ term only with v_ref)
 
 Substituting x_t, the errors are e± = t·f± with f± = u ∓ β δ, u = ε - x0 - v_old and
-δ = vθ - v_old. The kernel therefore sums |f±| and (f±)² per row and puts t back in per row:
+δ = vθ - v_old. The kernels therefore sum |f±| and (f±)² per row and put t back in per row:
 w± = max(t · mean|f±|, 1e-5), mean (e±)² = t² mean (f±)².
 
 Gradient (derivation)
@@ -24,31 +24,49 @@ weights, β cancels:
 
     ∂loss/∂vθ[n, d] = (A_max / N) (2 t T / D) [-a e⁺/w⁺ + (c - a) e⁻/w⁻] + (2κ / (N D)) (vθ - v_ref)
 
-Everything that multiplies e± is a per-row scalar, so once w± are known the gradient is one
-elementwise pass. The kernel computes it during the forward (Liger-Kernel style) and the
-backward only scales it by grad_output.
+Everything that multiplies e± is a per-row scalar. With p = -(A_max/N)(2t²T/D) a/w⁺ and
+q = (A_max/N)(2t²T/D)(c - a)/w⁻, the bracket is p f⁺ + q f⁻ = (p + q) u + β (q - p) δ: once the
+row statistics are known, the gradient is one elementwise pass with two per-row coefficients
+c_u = p + q and c_δ = β (q - p).
 
-Algorithm and memory traffic
-----------------------------
+Launches, memory traffic and synchronisation
+--------------------------------------------
 Rows are split into chunks so that short batches of long rows (N = 16, D = 2^18) still fill the GPU.
-- Pass 1, grid (N, n_chunks): read vθ, v_old, x0, ε (and v_ref) once, write 4 (5) fp32 partial
-  sums per (row, chunk) into a small (N, 5, n_chunks) buffer.
-- Pass 2, grid (N, n_chunks): every program reduces its row's partial sums (at most 64 chunks),
-  forms a, c, w±, the row's loss and the per-row gradient coefficients; the chunk-0 program writes
-  the row's loss, and all programs read the inputs a second time and write the gradient.
-The chunking aims at about 4 programs per SM: N = 16 rows of D = 2^18 on a 132-SM GPU become
-16 × 32 programs of 8192 elements each; N in the thousands gives one chunk per row.
-The loss is the sum of the N row losses (one small torch reduction). Bytes per element of (N, D):
-2·n_in reads + 1 write (n_in = 4, or 5 with v_ref and κ ≠ 0; with κ = 0 v_ref is never read),
-against n_in + 1 for reading everything once: the gradient needs w±, i.e. the whole row, so a
-single pass would have to hold rows on chip. The second read is served from L2 when the inputs fit
-there (SD3.5-Medium at 1024 px in bf16: 4 × 8 MiB, within an H100's 50 MB).
-The gradient is written in vθ's dtype: autograd would cast an fp32 gradient to vθ's dtype anyway
-(an extra pass and an fp32 N×D temporary), and it halves the bytes written for bf16/fp16. It is
-computed in fp32 and rounded once. No other N×D temporary is allocated and nothing is written into
-the caller's tensors. When vθ does not need a gradient, pass 2 skips the gradient write.
-The backward returns the stored gradient as is when grad_output == 1 (the usual loss.backward();
-the comparison is a host-device sync) and otherwise returns a scaled copy.
+- Forward, launch 1 (grid N × n_chunks): read vθ, v_old, x0, ε (and v_ref) once; write 4 (5) fp32
+  partial sums per (row, chunk) into a small (N, 5, n_chunks) buffer.
+- Forward, launch 2 (one program): walk the rows in tiles, reduce each row's partial sums, form a,
+  c, w±, the row's loss and (c_u, c_δ); write the coefficients to an (N, 2) buffer and the sum of
+  the row losses (accumulated in a fixed order: deterministic, no atomics) to the loss scalar.
+- Backward, launch 3 (grid N × n_chunks): read the inputs a second time and write
+  grad_output · (c_u u + c_δ δ + (2κ/(N D)) (vθ - v_ref)) in vθ's dtype. grad_output is read by the
+  kernel from device memory, never on the host. The programs take the (row, chunk) pairs in the
+  reverse order of launch 1, so that the data read last by the forward, the likeliest to still be
+  in L2, is read first.
+Under torch.no_grad(), or when vθ does not require a gradient, nothing is saved and there is no
+backward: two launches, the inputs read once, no N×D output. The chunking aims at about 4 programs
+per SM: N = 16 rows of D = 2^18 on a 132-SM GPU become 16 × 32 programs of 8192 elements; N in the
+thousands gives one chunk per row. Launch 2 is a single program whose work grows with N: small
+next to launches 1 and 3 for training batches (N up to thousands), a bottleneck for N in the
+millions.
+Bytes per element of (N, D): 2·n_in reads + 1 write (n_in = 4, or 5 with v_ref and κ ≠ 0; with
+κ = 0 v_ref is never read), against n_in + 1 for reading everything once: the gradient needs w±,
+i.e. the whole row, so a single pass would have to hold rows on chip. The second read is served
+from L2 when the inputs fit there (an H100/H200 has 50 MB of L2; SD3.5-Medium at 512 px in bf16
+reads 5 × 2 MiB, at 1024 px 5 × 8 MiB).
+The gradient is written in vθ's dtype: autograd would cast an fp32 gradient to vθ's dtype anyway,
+and it halves the bytes written for bf16/fp16. It is computed in fp32 and rounded once. No other
+N×D temporary is allocated and nothing is written into the caller's tensors.
+No host-device synchronisation on CUDA tensors: no value of any input is read by the host.
+Launches run under `torch.cuda.device(v_theta.device)`, on that device's current stream.
+
+Value checks
+------------
+Shapes, dtypes, devices and the float arguments are always checked. The values of t_index (in
+[0, T)) are checked only where that costs no synchronisation: for CPU tensors, or on CUDA when
+CHECK_VALUES is True (`kernels.nft_loss.CHECK_VALUES = True`, a debugging switch: each call then
+blocks the host until the GPU has caught up). Without the check, a row whose t_index lies outside
+[0, T) gets a NaN loss and a NaN gradient (W is never read out of bounds), so the loss is NaN.
+t is not checked to lie in (0, 1], nor r in [0, 1].
 
 Dtypes and layouts
 ------------------
@@ -56,20 +74,27 @@ vθ, v_old, x0, ε, v_ref: fp32, bf16 or fp16, one dtype and device, any shape (
 viewed as (N, D) with reshape(N, -1), which copies only when no such view exists (e.g. channels-last
 tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous.
 Rows may be strided (e.g. x[::2]): no copy. All arithmetic is fp32. t: (N,) float, t_index: (N,)
-integer in [0, T), r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32
-scalar. reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the
-plain-PyTorch loss at the inputs' precision, and returns a scalar of that dtype.
+integer, r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32 scalar.
+reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the plain-PyTorch
+loss at the inputs' precision, and returns a scalar of that dtype.
+
+Precision on a GPU
+------------------
+Compiled for NVIDIA, fp32 division is div.full.f32 (within 2 ulp, not correctly rounded); the
+kernels divide only per row. Sums are taken in another order than PyTorch's. The tests therefore
+hold the kernel to at most twice the error of the reference run at the same precision, plus 16 fp32
+ulp of the result's scale, plus rounding to the output dtype.
 
 Where it was checked
 --------------------
 Checked against reference_nft_loss under TRITON_INTERPRET=1 on CPU (fp32, bf16, fp16; realistic,
 odd and multi-chunk shapes; strided views) and compiled ahead of time for sm_80 and sm_90 with
-triton.compile. Not yet run on a GPU.
+triton.compile. Not yet measured on a GPU.
 
 Limits
 ------
-D from 1 to any size (int64 offsets); N up to millions. The validation of t_index is a host-device
-sync. t is not checked to lie in (0, 1], nor r in [0, 1]. With v_ref=None, kl_coef is ignored.
+D from 1 to 2^31 - 1, and N·D beyond 2^31 (int64 row offsets). With v_ref=None, kl_coef is
+ignored.
 """
 
 import math
@@ -82,37 +107,41 @@ import triton.language as tl
 # kernels below are interpreted (and can run on CPU tensors) exactly when this flag is set.
 _INTERPRET = triton.knobs.runtime.interpret
 
+# Debugging switch: True checks t_index's values on CUDA too, at the cost of a host-device sync.
+CHECK_VALUES = False
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NUM_STATS = 5  # Σ|f⁺|, Σ|f⁻|, Σ(f⁺)², Σ(f⁻)², Σ(vθ - v_ref)²
-_MAX_CHUNKS = 64  # pass 2 re-reduces up to this many partial sums per program
+_MAX_CHUNKS = 64  # launch 2 reduces up to this many partial sums per row
+_ROWS_TILE = 1024  # (rows × chunks) elements per tile of launch 2
 _NUM_WARPS = 4
 
 
 def _check_inputs(
     v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
 ) -> tuple[int, int]:
-    """Raise ValueError naming the offending argument; return (N, T)."""
+    """Raise ValueError naming the offending argument; return (N, T). Reads no device value
+    unless the tensors are on the CPU or CHECK_VALUES is set."""
     if not isinstance(v_theta, torch.Tensor) or v_theta.ndim < 1 or v_theta.shape[0] == 0:
         raise ValueError("v_theta must be a tensor of shape (N, ...) with N > 0")
     if v_theta.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"v_theta must be float32, bfloat16 or float16, got {v_theta.dtype}")
-    n = v_theta.shape[0]
-    named = {"v_old": v_old, "x0": x0, "noise": noise}
-    if v_ref is not None:
-        named["v_ref"] = v_ref
-    for name, x in named.items():
-        if not isinstance(x, torch.Tensor) or x.shape != v_theta.shape:
+    n, shape, dtype, device = v_theta.shape[0], v_theta.shape, v_theta.dtype, v_theta.device
+    for name, x in (("v_old", v_old), ("x0", x0), ("noise", noise), ("v_ref", v_ref)):
+        if x is None and name == "v_ref":
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != shape:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must have v_theta's shape {tuple(v_theta.shape)}, got {got}")
-        if x.dtype != v_theta.dtype:
-            raise ValueError(f"{name} has dtype {x.dtype}, v_theta has {v_theta.dtype}")
-    small = {"t": (t, 1), "t_index": (t_index, 1), "r": (r, 2), "W": (W, 2)}
-    for name, (x, ndim) in small.items():
+            raise ValueError(f"{name} must have v_theta's shape {tuple(shape)}, got {got}")
+        if x.dtype != dtype:
+            raise ValueError(f"{name} has dtype {x.dtype}, v_theta has {dtype}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, v_theta on {device}")
+    for name, x, ndim in (("t", t, 1), ("t_index", t_index, 1), ("r", r, 2), ("W", W, 2)):
         if not isinstance(x, torch.Tensor) or x.ndim != ndim:
             raise ValueError(f"{name} must be a {ndim}-d tensor")
-    for name, x in {**named, **{k: v for k, (v, _) in small.items()}}.items():
-        if x.device != v_theta.device:
-            raise ValueError(f"{name} is on {x.device}, v_theta on {v_theta.device}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device}, v_theta on {device}")
     if t.shape[0] != n or not t.is_floating_point():
         raise ValueError(f"t must be a float tensor of shape ({n},), got {tuple(t.shape)}")
     if t_index.shape[0] != n or t_index.is_floating_point() or t_index.dtype == torch.bool:
@@ -124,36 +153,21 @@ def _check_inputs(
             f"W must be a float tensor of shape (K, T), K = {r.shape[1]}, got {W.shape}"
         )
     n_steps = W.shape[1]
-    if bool(((t_index < 0) | (t_index >= n_steps)).any()):
-        raise ValueError(f"t_index must lie in [0, T) with T = W.shape[1] = {n_steps}")
     if not (math.isfinite(beta) and beta > 0):
         raise ValueError(f"beta must be finite and > 0, got {beta}")
     if not (math.isfinite(adv_clip_max) and adv_clip_max > 0):
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
     if not (math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    if device.type == "cpu" or CHECK_VALUES:  # a host-device sync anywhere but on the CPU
+        if bool(((t_index < 0) | (t_index >= n_steps)).any()):
+            raise ValueError(f"t_index must lie in [0, T) with T = W.shape[1] = {n_steps}")
     return n, n_steps
 
 
-def reference_nft_loss(
-    v_theta: torch.Tensor,
-    v_old: torch.Tensor,
-    x0: torch.Tensor,
-    noise: torch.Tensor,
-    t: torch.Tensor,
-    t_index: torch.Tensor,
-    r: torch.Tensor,
-    W: torch.Tensor,
-    beta: float = 1.0,
-    adv_clip_max: float = 5.0,
-    v_ref: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> torch.Tensor:
-    """DESIGN §6 in plain PyTorch (autograd), at v_theta's precision; differentiable in v_theta."""
-    n, n_steps = _check_inputs(
-        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
-    )
-    dtype = v_theta.dtype
+def _reference_loss(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl):
+    """The loss of DESIGN §6 in plain PyTorch at v_theta's precision, without any check."""
+    n, n_steps, dtype = v_theta.shape[0], W.shape[1], v_theta.dtype
     v_theta = v_theta.reshape(n, -1)
     v_old, x0, noise = (x.detach().reshape(n, -1) for x in (v_old, x0, noise))
     w_cols = W.detach().to(dtype)[:, t_index].T  # (N, K): each image's column of W
@@ -172,8 +186,29 @@ def reference_nft_loss(
     per_image = n_steps * (a * loss_pos + (c - a) * loss_neg) / beta  # (N,)
     loss = adv_clip_max * per_image.mean()
     if v_ref is not None:
-        loss = loss + kl_coef * ((v_theta - v_ref.detach().reshape(n, -1)) ** 2).mean()
+        loss = loss + kl * ((v_theta - v_ref.detach().reshape(n, -1)) ** 2).mean()
     return loss
+
+
+def reference_nft_loss(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    t_index: torch.Tensor,
+    r: torch.Tensor,
+    W: torch.Tensor,
+    beta: float = 1.0,
+    adv_clip_max: float = 5.0,
+    v_ref: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """DESIGN §6 in plain PyTorch (autograd), at v_theta's precision; differentiable in v_theta."""
+    _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)
+    return _reference_loss(
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
+    )
 
 
 @triton.jit
@@ -238,119 +273,179 @@ def _nft_partial_sums_kernel(
 
 
 @triton.jit
-def _nft_loss_grad_kernel(
-    v_theta_ptr,  # (N, D) rows of vθ, unit stride along D
-    v_old_ptr,  # (N, D) rows of v_old
-    x0_ptr,  # (N, D) rows of x0
-    noise_ptr,  # (N, D) rows of ε
-    v_ref_ptr,  # (N, D) rows of v_ref; unused unless HAS_REF
+def _nft_rows_kernel(
+    partial_ptr,  # (N, NUM_STATS, n_chunks) fp32 partial sums from launch 1
     t_ptr,  # (N,) timesteps
     t_index_ptr,  # (N,) timestep indices into W's columns
     r_ptr,  # (N, K) optimality probabilities
     w_ptr,  # (K, T) reward-by-timestep weights
-    partial_ptr,  # (N, NUM_STATS, n_chunks) fp32 partial sums from pass 1
-    row_loss_ptr,  # (N,) fp32 output: this row's share of the loss
-    grad_ptr,  # (N, D) contiguous output: ∂loss/∂vθ in vθ's dtype; unused unless WRITE_GRAD
+    coef_ptr,  # (N, 2) fp32 output: per-row gradient coefficients (c_u, c_δ)
+    loss_ptr,  # () fp32 output: the loss
     N,  # rows
     D,  # elements per row
     K,  # rewards
-    stride_vt,  # row strides of the five inputs, in elements
-    stride_vo,
-    stride_x0,
-    stride_noise,
-    stride_ref,
+    n_steps,  # T
+    n_chunks,  # chunks per row
     stride_t,  # stride of t
     stride_ti,  # stride of t_index
     stride_rn,  # strides of r
     stride_rk,
     stride_wk,  # strides of W
     stride_wt,
-    n_steps,  # T, as a float
     beta,  # NFT strength β
     adv_clip_max,  # A_max
     kl_coef,  # κ
-    chunk_size,  # elements per chunk, a multiple of BLOCK_D
-    n_chunks,  # chunks per row
     NUM_STATS: tl.constexpr,  # slots per (row, chunk) in partial_ptr
     HAS_REF: tl.constexpr,  # whether the κ term is present
-    WRITE_GRAD: tl.constexpr,  # whether to write the gradient
-    BLOCK_D: tl.constexpr,  # elements per tile
+    BLOCK_N: tl.constexpr,  # rows per tile
     BLOCK_C: tl.constexpr,  # power of two ≥ n_chunks
     BLOCK_K: tl.constexpr,  # power of two ≥ K
 ):
-    # 1. This program's row and chunk (int64 row offsets, as in pass 1).
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    chunk_start = chunk * chunk_size
-    chunk_end = tl.minimum(chunk_start + chunk_size, D)
-    # 2. Reduce the row's partial sums into per-row means of |f±| and (f±)².
+    # One program walks all rows in tiles of BLOCK_N; the loss is accumulated in a fixed order.
     c_offs = tl.arange(0, BLOCK_C)
     c_mask = c_offs < n_chunks
-    part = partial_ptr + row * NUM_STATS * n_chunks + c_offs
-    mean_abs_pos = tl.sum(tl.load(part, mask=c_mask, other=0.0), axis=0) / D
-    mean_abs_neg = tl.sum(tl.load(part + n_chunks, mask=c_mask, other=0.0), axis=0) / D
-    mean_sq_pos = tl.sum(tl.load(part + 2 * n_chunks, mask=c_mask, other=0.0), axis=0) / D
-    mean_sq_neg = tl.sum(tl.load(part + 3 * n_chunks, mask=c_mask, other=0.0), axis=0) / D
-    # 3. Mixed optimality: a = Σ_k W[k, i] r[n, k], c = Σ_k W[k, i] for this row's timestep i.
     k_offs = tl.arange(0, BLOCK_K)
     k_mask = k_offs < K
-    step = tl.load(t_index_ptr + row * stride_ti)
-    w_col = tl.load(w_ptr + k_offs * stride_wk + step * stride_wt, mask=k_mask, other=0.0)
-    w_col = w_col.to(tl.float32)
-    r_row = tl.load(r_ptr + row * stride_rn + k_offs * stride_rk, mask=k_mask, other=0.0)
-    a = tl.sum(w_col * r_row.to(tl.float32), axis=0)
-    c = tl.sum(w_col, axis=0)
-    # 4. w± = max(t·mean|f±|, 1e-5), L± = t²·mean(f±)²/w±, the row's loss and gradient coefficients.
-    t = tl.load(t_ptr + row * stride_t).to(tl.float32)
-    w_pos = tl.maximum(t * mean_abs_pos, 1e-5)
-    w_neg = tl.maximum(t * mean_abs_neg, 1e-5)
-    loss_pos = t * t * mean_sq_pos / w_pos
-    loss_neg = t * t * mean_sq_neg / w_neg
-    row_loss = adv_clip_max / N * n_steps * (a * loss_pos + (c - a) * loss_neg) / beta
-    if HAS_REF:
-        sq_ref = tl.sum(tl.load(part + 4 * n_chunks, mask=c_mask, other=0.0), axis=0)
-        row_loss += kl_coef / N * sq_ref / D
-    # 5. The chunk-0 program stores the row's loss.
-    if chunk == 0:
-        tl.store(row_loss_ptr + row, row_loss)
-    # 6. Second read of the inputs: grad = coef_pos·f⁺ + coef_neg·f⁻ (+ coef_ref·(vθ - v_ref)),
-    #    the closed form of the header with e± = t·f± folded into the coefficients.
-    if WRITE_GRAD:
-        scale = adv_clip_max / N * 2.0 * t * t * n_steps / D
+    steps_f = n_steps * 1.0  # T as fp32 (n_steps may be specialised to a constexpr 1)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for row0 in range(0, N, BLOCK_N):
+        # 1. Reduce each row's partial sums into means of |f±| and (f±)².
+        rows = row0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        row_ok = rows < N
+        part = partial_ptr + rows[:, None] * (NUM_STATS * n_chunks) + c_offs[None, :]
+        part_mask = row_ok[:, None] & c_mask[None, :]
+        mean_abs_pos = tl.sum(tl.load(part, mask=part_mask, other=0.0), axis=1) / D
+        mean_abs_neg = tl.sum(tl.load(part + n_chunks, mask=part_mask, other=0.0), axis=1) / D
+        mean_sq_pos = tl.sum(tl.load(part + 2 * n_chunks, mask=part_mask, other=0.0), axis=1) / D
+        mean_sq_neg = tl.sum(tl.load(part + 3 * n_chunks, mask=part_mask, other=0.0), axis=1) / D
+        # 2. Mixed optimality a = Σ_k W[k, i] r[n, k], c = Σ_k W[k, i]; NaN where i ∉ [0, T).
+        step = tl.load(t_index_ptr + rows * stride_ti, mask=row_ok, other=0)
+        step_ok = (step >= 0) & (step < n_steps)
+        wk_mask = (row_ok & step_ok)[:, None] & k_mask[None, :]
+        w_cols = tl.load(
+            w_ptr + k_offs[None, :] * stride_wk + step[:, None] * stride_wt, mask=wk_mask, other=0.0
+        ).to(tl.float32)
+        r_rows = tl.load(
+            r_ptr + rows[:, None] * stride_rn + k_offs[None, :] * stride_rk,
+            mask=row_ok[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        a = tl.where(step_ok, tl.sum(w_cols * r_rows, axis=1), float("nan"))
+        c = tl.sum(w_cols, axis=1)
+        # 3. w± = max(t·mean|f±|, 1e-5), L± = t²·mean(f±)²/w±, the row's loss.
+        t = tl.load(t_ptr + rows * stride_t, mask=row_ok, other=1.0).to(tl.float32)
+        w_pos = tl.maximum(t * mean_abs_pos, 1e-5)
+        w_neg = tl.maximum(t * mean_abs_neg, 1e-5)
+        loss_pos = t * t * mean_sq_pos / w_pos
+        loss_neg = t * t * mean_sq_neg / w_neg
+        row_loss = adv_clip_max / N * steps_f * (a * loss_pos + (c - a) * loss_neg) / beta
+        if HAS_REF:
+            sq_ref = tl.sum(tl.load(part + 4 * n_chunks, mask=part_mask, other=0.0), axis=1)
+            row_loss += kl_coef / N * sq_ref / D
+        total += tl.where(row_ok, row_loss, 0.0)
+        # 4. Gradient coefficients of the header: p f⁺ + q f⁻ = (p + q) u + β (q - p) δ.
+        scale = adv_clip_max / N * 2.0 * t * t * steps_f / D
         coef_pos = -scale * a / w_pos
         coef_neg = scale * (c - a) / w_neg
-        coef_ref = 2.0 * kl_coef / N / D
-        offs = tl.arange(0, BLOCK_D)
-        for start in range(chunk_start, chunk_end, BLOCK_D):
-            cols = start + offs
-            mask = cols < chunk_end
-            v_theta = tl.load(v_theta_ptr + row * stride_vt + cols, mask=mask, other=0.0)
-            v_theta = v_theta.to(tl.float32)
-            v_old = tl.load(v_old_ptr + row * stride_vo + cols, mask=mask, other=0.0).to(tl.float32)
-            x0 = tl.load(x0_ptr + row * stride_x0 + cols, mask=mask, other=0.0).to(tl.float32)
-            noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0)
-            u = noise.to(tl.float32) - x0 - v_old
-            bd = beta * (v_theta - v_old)
-            grad = coef_pos * (u - bd) + coef_neg * (u + bd)
-            if HAS_REF:
-                v_ref = tl.load(v_ref_ptr + row * stride_ref + cols, mask=mask, other=0.0)
-                grad += coef_ref * (v_theta - v_ref.to(tl.float32))
-            tl.store(grad_ptr + row * D + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(coef_ptr + 2 * rows, coef_pos + coef_neg, mask=row_ok)
+        tl.store(coef_ptr + 2 * rows + 1, beta * (coef_neg - coef_pos), mask=row_ok)
+    tl.store(loss_ptr, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _nft_grad_kernel(
+    v_theta_ptr,  # (N, D) rows of vθ, unit stride along D
+    v_old_ptr,  # (N, D) rows of v_old
+    x0_ptr,  # (N, D) rows of x0
+    noise_ptr,  # (N, D) rows of ε
+    v_ref_ptr,  # (N, D) rows of v_ref; unused unless HAS_REF
+    coef_ptr,  # (N, 2) fp32 per-row coefficients (c_u, c_δ) from launch 2
+    grad_out_ptr,  # () the incoming gradient of the loss
+    grad_ptr,  # (N, D) contiguous output: ∂loss/∂vθ in vθ's dtype
+    N,  # rows
+    D,  # elements per row
+    stride_vt,  # row strides of the five inputs, in elements
+    stride_vo,
+    stride_x0,
+    stride_noise,
+    stride_ref,
+    coef_ref,  # 2κ / (N D)
+    chunk_size,  # elements per chunk, a multiple of BLOCK_D
+    n_chunks,  # chunks per row
+    HAS_REF: tl.constexpr,  # whether the κ term is present
+    BLOCK_D: tl.constexpr,  # elements per tile
+):
+    # 1. (row, chunk) in the reverse order of launch 1: its last reads are likeliest in L2.
+    row = N - 1 - tl.program_id(0).to(tl.int64)
+    chunk_start = (n_chunks - 1 - tl.program_id(1)) * chunk_size
+    chunk_end = tl.minimum(chunk_start + chunk_size, D)
+    grad_out = tl.load(grad_out_ptr).to(tl.float32)
+    coef_u = tl.load(coef_ptr + 2 * row)
+    coef_d = tl.load(coef_ptr + 2 * row + 1)
+    # 2. grad = grad_out · (c_u u + c_δ δ + coef_ref (vθ - v_ref)), grad_out applied last.
+    offs = tl.arange(0, BLOCK_D)
+    for start in range(chunk_start, chunk_end, BLOCK_D):
+        cols = start + offs
+        mask = cols < chunk_end
+        v_theta = tl.load(v_theta_ptr + row * stride_vt + cols, mask=mask, other=0.0).to(tl.float32)
+        v_old = tl.load(v_old_ptr + row * stride_vo + cols, mask=mask, other=0.0).to(tl.float32)
+        x0 = tl.load(x0_ptr + row * stride_x0 + cols, mask=mask, other=0.0).to(tl.float32)
+        noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = coef_u * (noise - x0 - v_old) + coef_d * (v_theta - v_old)
+        if HAS_REF:
+            v_ref = tl.load(v_ref_ptr + row * stride_ref + cols, mask=mask, other=0.0)
+            grad += coef_ref * (v_theta - v_ref.to(tl.float32))
+        grad = grad_out * grad
+        tl.store(grad_ptr + row * D + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+_SM_COUNT: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter on CPU: chunk rows as on a small GPU, so small tests cover chunking
+    if device.type != "cuda":
+        return 8  # the interpreter: chunk rows as on a small GPU, so small tests cover chunking
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
-def _launch_shape(n: int, d: int, device: torch.device) -> tuple[int, int, int]:
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit function: slow to call from Python
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()  # the next power of two ≥ x ≥ 1
+
+
+_SHAPES: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+
+
+def _launch_shape(n: int, d: int, num_sms: int) -> tuple[int, int, int]:
     """(BLOCK_D, chunk_size, n_chunks): about 4 programs per SM, chunks a whole number of tiles."""
-    block_d = min(1024, max(128, triton.next_power_of_2(d)))
-    n_tiles = triton.cdiv(d, block_d)
-    chunks = min(max(1, triton.cdiv(4 * _num_sms(device), n)), n_tiles, _MAX_CHUNKS)
-    chunk_size = triton.cdiv(n_tiles, chunks) * block_d
-    return block_d, chunk_size, triton.cdiv(d, chunk_size)
+    block_d = min(1024, max(128, _pow2(d)))
+    n_tiles = _cdiv(d, block_d)
+    chunks = min(max(1, _cdiv(4 * num_sms, n)), n_tiles, _MAX_CHUNKS)
+    chunk_size = _cdiv(n_tiles, chunks) * block_d
+    return block_d, chunk_size, _cdiv(d, chunk_size)
+
+
+def _rows_tile(n_chunks: int, n_rewards: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_C, BLOCK_K) of launch 2."""
+    block_c, block_k = _pow2(n_chunks), _pow2(n_rewards)
+    return max(1, _ROWS_TILE // max(block_c, block_k)), block_c, block_k
+
+
+def _launch_config(n: int, d: int, n_rewards: int, num_sms: int) -> tuple[int, ...]:
+    """_launch_shape + _rows_tile, remembered (a few shapes recur through a training run)."""
+    key = (n, d, n_rewards, num_sms)
+    if key not in _SHAPES:
+        if len(_SHAPES) > 4096:
+            _SHAPES.clear()
+        block_d, chunk_size, n_chunks = _launch_shape(n, d, num_sms)
+        _SHAPES[key] = (block_d, chunk_size, n_chunks, *_rows_tile(n_chunks, n_rewards))
+    return _SHAPES[key]
 
 
 def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -359,46 +454,63 @@ def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.stride(1) == 1 or x.shape[1] == 1 else x.contiguous()
 
 
+def _guard(x: torch.Tensor):
+    """torch.cuda.device(x's device) for CUDA tensors; a no-op (device -1) otherwise."""
+    return torch.cuda.device(x.device.index if x.is_cuda else -1)
+
+
 class _NFTLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl):
-        n, n_steps = v_theta.shape[0], W.shape[1]
+    def forward(ctx, v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl, save):
+        n, n_rewards = v_theta.shape[0], r.shape[1]
         rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
         has_ref = v_ref is not None and kl != 0.0
         ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
         d = rows[0].shape[1]
-        block_d, chunk_size, n_chunks = _launch_shape(n, d, v_theta.device)
+        config = _launch_config(n, d, n_rewards, _num_sms(v_theta.device))
+        block_d, chunk_size, n_chunks, block_n, block_c, block_k = config
         strides = [x.stride(0) for x in (*rows, ref_rows)]
-        partial = v_theta.new_empty((n, _NUM_STATS, n_chunks), dtype=torch.float32)
-        row_loss = v_theta.new_empty(n, dtype=torch.float32)
-        write_grad = ctx.needs_input_grad[0]
-        grad = v_theta.new_empty((n, d) if write_grad else (1,))
-        grid = (n, n_chunks)
-        _nft_partial_sums_kernel[grid](
-            *rows, ref_rows, partial, d, *strides, float(beta), chunk_size, n_chunks,
-            NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
-            num_warps=_NUM_WARPS, enable_fp_fusion=True,
-        )  # fmt: skip
-        _nft_loss_grad_kernel[grid](
-            *rows, ref_rows, t, t_index, r, W, partial, row_loss, grad,
-            n, d, r.shape[1], *strides, t.stride(0), t_index.stride(0), r.stride(0), r.stride(1),
-            W.stride(0), W.stride(1), float(n_steps), float(beta), float(adv_clip_max),
-            float(kl), chunk_size, n_chunks,
-            NUM_STATS=_NUM_STATS, HAS_REF=has_ref, WRITE_GRAD=write_grad, BLOCK_D=block_d,
-            BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_K=triton.next_power_of_2(r.shape[1]),
-            num_warps=_NUM_WARPS, enable_fp_fusion=True,
-        )  # fmt: skip
-        if write_grad:
-            ctx.save_for_backward(grad)
-            ctx.shape = v_theta.shape
-        return row_loss.sum()
+        f32 = dict(device=v_theta.device, dtype=torch.float32)
+        partial = torch.empty((n, _NUM_STATS, n_chunks), **f32)
+        coefs = torch.empty((n, 2), **f32)
+        loss = torch.empty((), **f32)
+        with _guard(v_theta):
+            _nft_partial_sums_kernel[(n, n_chunks)](
+                *rows, ref_rows, partial, d, *strides, float(beta), chunk_size, n_chunks,
+                NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
+                num_warps=_NUM_WARPS, enable_fp_fusion=True,
+            )  # fmt: skip
+            _nft_rows_kernel[(1,)](
+                partial, t, t_index, r, W, coefs, loss,
+                n, d, n_rewards, W.shape[1], n_chunks, t.stride(0), t_index.stride(0),
+                r.stride(0), r.stride(1), W.stride(0), W.stride(1),
+                float(beta), float(adv_clip), float(kl),
+                NUM_STATS=_NUM_STATS, HAS_REF=has_ref,
+                BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=block_k,
+                num_warps=_NUM_WARPS, enable_fp_fusion=True,
+            )  # fmt: skip
+        if save:
+            ctx.save_for_backward(*rows, ref_rows, coefs)
+            ctx.launch = (v_theta.shape, n, d, strides, 2.0 * kl / (n * d), has_ref)
+            ctx.chunks = (block_d, chunk_size, n_chunks)
+        return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        (grad,) = ctx.saved_tensors
-        if not bool(grad_output == 1):  # host-device sync; skips an N×D pass in the usual case
-            grad = grad * grad_output
-        return (grad.view(ctx.shape),) + (None,) * 11
+        if not hasattr(ctx, "launch"):  # v_theta needs no gradient (another input asked for one)
+            return (None,) * 13
+        *rows, ref_rows, coefs = ctx.saved_tensors
+        shape, n, d, strides, coef_ref, has_ref = ctx.launch
+        block_d, chunk_size, n_chunks = ctx.chunks
+        grad = torch.empty((n, d), device=rows[0].device, dtype=rows[0].dtype)
+        with _guard(grad):
+            _nft_grad_kernel[(n, n_chunks)](
+                *rows, ref_rows, coefs, grad_output, grad, n, d, *strides, coef_ref,
+                chunk_size, n_chunks, HAS_REF=has_ref, BLOCK_D=block_d,
+                num_warps=_NUM_WARPS, enable_fp_fusion=True,
+            )  # fmt: skip
+        return (grad.view(shape),) + (None,) * 12
 
 
 def nft_loss(
@@ -418,15 +530,16 @@ def nft_loss(
     """Weighted NFT loss of DESIGN §6 (fp32 scalar), differentiable w.r.t. v_theta only.
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
-    reference_nft_loss otherwise.
+    reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES).
     """
     _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)
     if not (v_theta.is_cuda or _INTERPRET):
-        return reference_nft_loss(
+        return _reference_loss(
             v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
         )
+    save = torch.is_grad_enabled() and v_theta.requires_grad
     return _NFTLoss.apply(
-        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, save
     )
 
 
@@ -453,14 +566,3 @@ if __name__ == "__main__":
     grad_err = (results[0][1] - results[1][1]).abs().max().item()
     (loss, _), (loss_ref, _) = results
     print(f"loss: kernel {loss:.6f}, reference {loss_ref:.6f}; max |Δgrad| {grad_err:.1e}")
-    if device.type == "cuda":
-        for dtype in (torch.float32, torch.bfloat16):
-            v_theta = inputs[0].to(dtype).requires_grad_()
-            rest = [x.to(dtype) for x in inputs[1:4]]
-            for fn in (nft_loss, reference_nft_loss):
-
-                def step(fn=fn, v_theta=v_theta, rest=rest):
-                    fn(v_theta, *rest, *args).backward()
-
-                ms = triton.testing.do_bench(step)
-                print(f"{fn.__name__:20s} {dtype} N={n} D={math.prod(shape)} fwd+bwd {ms:.3f} ms")

@@ -24,7 +24,7 @@ Choices beyond DESIGN.md
 - Zero spread. A group whose final scores are all equal (max == min, which is exact; the computed
   population std of equal numbers need not be exactly 0) has A = 0, r = 1/2, and z = 0 at every
   step: otherwise (s_i - mean)/1e-4 would dominate the pooled Σ z² and zero the slope for every
-  other group. Such a group contributes D_group = 0.
+  other group. Such a group contributes D_group = 0 exactly.
 - r at the last column. r can be exactly 0 (A = -A_max), where log r = -inf and the KL term
   0·log 0 needs special-casing. D[k, T] clamps r to [1e-4, 1] exactly as r̂ is clamped. This keeps
   every logarithm finite, and makes the last gain exactly 0 when the last step prediction is the
@@ -32,21 +32,39 @@ Choices beyond DESIGN.md
 
 Gradient: none (the gains are statistics of the rollout; nothing is differentiated through them).
 
-Dtypes, launch and where it was checked
----------------------------------------
+Dtypes, launch and synchronisation
+----------------------------------
 scores: any float dtype and strides, upcast to fp32 in the kernel; D and gains are fp32.
-reference_renyi_gains computes in float64 and returns fp32. The kernel runs one program per
-(k, i) pair, grid (K, T+1), in one launch; each program walks its row in tiles of whole groups
-(BLOCK_M groups × BLOCK_G members, masked), twice: once for the pooled slope, once for the
-divergences. The gains are then one subtraction of shifted views of D.
-Checked against reference_renyi_gains under TRITON_INTERPRET=1 on CPU and compiled ahead of time
-for sm_80 and sm_90 with triton.compile. Not yet run on a GPU.
+reference_renyi_gains computes in float64 and returns fp32. One launch, grid (K, T): program (k, i)
+computes D[k, i] and D[k, i+1] and writes gains[k, i] and D[k, i+1] (program (k, 0) also writes
+D[k, 0] = 0). Each D[k, j] is thus computed twice, by programs j-1 and j, with the same code on the
+same data: the written D and the gains agree bit for bit, and no program waits for another. Each
+program walks the reward's final scores and the two step rows in tiles of whole groups (BLOCK_M
+groups × BLOCK_G members, masked) twice: once for the two pooled slopes, once for the divergences.
+Offsets are int64, so any strides work (a strided view may reach far beyond K·(T+1)·N elements).
+The launch runs under `torch.cuda.device(scores.device)`; no value is read by the host on CUDA.
+
+Value checks
+------------
+Shapes, dtypes and the arguments are always checked. That the scores are finite is checked only
+where it costs no synchronisation: for CPU tensors, or on CUDA when CHECK_VALUES is True
+(`kernels.renyi.CHECK_VALUES = True`, a debugging switch). Without it, a NaN or inf among the final
+scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
+(the step-0 scores are never read: D[k, 0] is 0 by definition).
+
+Precision on a GPU
+------------------
+Compiled for NVIDIA, fp32 division is div.full.f32 (within 2 ulp) and tl.exp is ex2.approx
+(about 2 ulp, plus the rounding of x·log2 e); tl.log is libdevice's logf and the group std uses a
+correctly rounded square root. The tests hold D and the gains to at most twice the error of the
+same algorithm run in fp32 on the CPU, plus a few dozen fp32 ulp scaled by the 1/|α - 1| of the
+divergence. Checked against reference_renyi_gains under TRITON_INTERPRET=1 on CPU and compiled
+ahead of time for sm_80 and sm_90 with triton.compile. Not yet measured on a GPU.
 
 Limits
 ------
-group_size ≤ 4096 (a group is one tile row); K·(T+1)·N < 2^31 (int32 offsets). α within about 1e-3
-of 1 (but not 1) loses precision to cancellation in fp32: use α = 1 for KL. Non-finite scores are
-rejected (a host-device sync).
+group_size ≤ 4096 (a group is one tile row). α within about 1e-3 of 1 (but not 1) loses precision
+to cancellation in fp32: use α = 1 for KL.
 """
 
 import math
@@ -58,6 +76,9 @@ import triton.language as tl
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernel below is interpreted (and can run on CPU tensors) exactly when this flag is set.
 _INTERPRET = triton.knobs.runtime.interpret
+
+# Debugging switch: True checks that scores are finite on CUDA too, at the cost of a host sync.
+CHECK_VALUES = False
 
 _STD_EPS = 1e-4  # added to the group std (DESIGN §3)
 _R_MIN = 1e-4  # lower clamp of r̂ and of r at the last column
@@ -78,22 +99,9 @@ def _check_adv_clip_max(adv_clip_max: float) -> None:
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
 
 
-def group_optimality(
-    final_scores: torch.Tensor, group_size: int, adv_clip_max: float = 5.0
-) -> torch.Tensor:
-    """DESIGN §3: per-group optimality r ∈ [0, 1] of scores (..., N), in the scores' dtype.
-
-    A group whose scores are all equal gets r = 1/2 exactly.
-    """
-    if not isinstance(final_scores, torch.Tensor) or final_scores.ndim < 1:
-        raise ValueError("final_scores must be a tensor of shape (..., N)")
-    if not final_scores.is_floating_point():
-        raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
-    _check_group_size(final_scores.shape[-1], group_size)
-    _check_adv_clip_max(adv_clip_max)
-    if not bool(torch.isfinite(final_scores).all()):
-        raise ValueError("final_scores contains NaN or inf")
-    s = final_scores.unflatten(-1, (-1, group_size))  # (..., M, G)
+def _group_optimality(s: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
+    """group_optimality without checks."""
+    s = s.unflatten(-1, (-1, group_size))  # (..., M, G)
     centred = s - s.mean(-1, keepdim=True)
     std = s.std(-1, correction=0, keepdim=True)
     adv = (centred / (std + _STD_EPS)).clamp(-adv_clip_max, adv_clip_max)
@@ -102,31 +110,51 @@ def group_optimality(
     return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
 
 
+def group_optimality(
+    final_scores: torch.Tensor, group_size: int, adv_clip_max: float = 5.0
+) -> torch.Tensor:
+    """DESIGN §3: per-group optimality r ∈ [0, 1] of scores (..., N), in the scores' dtype.
+
+    A group whose scores are all equal gets r = 1/2 exactly. Finiteness is checked on CPU tensors
+    (on CUDA only with CHECK_VALUES; NaN and inf propagate otherwise).
+    """
+    if not isinstance(final_scores, torch.Tensor) or final_scores.ndim < 1:
+        raise ValueError("final_scores must be a tensor of shape (..., N)")
+    if not final_scores.is_floating_point():
+        raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
+    _check_group_size(final_scores.shape[-1], group_size)
+    _check_adv_clip_max(adv_clip_max)
+    if final_scores.device.type == "cpu" or CHECK_VALUES:
+        if not bool(torch.isfinite(final_scores).all()):
+            raise ValueError("final_scores contains NaN or inf")
+    return _group_optimality(final_scores, group_size, adv_clip_max)
+
+
 def _check_inputs(scores, group_size, alpha, adv_clip_max) -> None:
     if not isinstance(scores, torch.Tensor) or scores.ndim != 3 or scores.shape[1] < 2:
         got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a tensor of shape (K, T+1, N) with T >= 1, got {got}")
+    if scores.shape[0] == 0 or scores.shape[2] == 0:
+        raise ValueError(f"scores must have K >= 1 and N >= 1, got {tuple(scores.shape)}")
     if not scores.is_floating_point():
         raise ValueError(f"scores must be a float tensor, got {scores.dtype}")
-    if scores.numel() >= 2**31:
-        raise ValueError("scores must have fewer than 2^31 elements")
     _check_group_size(scores.shape[2], group_size)
     if not (math.isfinite(alpha) and alpha > 0):
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
     _check_adv_clip_max(adv_clip_max)
-    if not bool(torch.isfinite(scores).all()):
-        raise ValueError("scores contains NaN or inf")
+    if scores.device.type == "cpu" or CHECK_VALUES:  # a host-device sync anywhere but on the CPU
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError("scores contains NaN or inf")
 
 
-def reference_renyi_gains(
-    scores: torch.Tensor, group_size: int, alpha: float = 2.0, adv_clip_max: float = 5.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DESIGN §4 in plain PyTorch (float64): D (K, T+1) and gains (K, T), both fp32."""
-    _check_inputs(scores, group_size, alpha, adv_clip_max)
+def _reference_gains(scores, group_size, alpha, adv_clip_max, dtype=torch.float64):
+    """DESIGN §4 in plain PyTorch at `dtype`, without checks: D (K, T+1) and gains (K, T), fp32.
+    reference_renyi_gains runs it in float64; the tests also run it in float32 to measure what
+    fp32 arithmetic costs."""
     n_steps = scores.shape[1] - 1
-    s = scores.detach().double().unflatten(-1, (-1, group_size))  # (K, T+1, M, G)
+    s = scores.detach().to(dtype).unflatten(-1, (-1, group_size))  # (K, T+1, M, G)
     final = s[:, -1:]  # (K, 1, M, G)
-    r = group_optimality(scores.detach()[:, -1].double(), group_size, adv_clip_max)
+    r = _group_optimality(scores.detach()[:, -1].to(dtype), group_size, adv_clip_max)
     r = r.unflatten(-1, (-1, group_size))[:, None]  # (K, 1, M, G)
     r_centred = r - r.mean(-1, keepdim=True)
     flat_final = final.amax(-1, keepdim=True) == final.amin(-1, keepdim=True)
@@ -149,60 +177,91 @@ def reference_renyi_gains(
     return divergence, divergence[:, 1:] - divergence[:, :-1]
 
 
+def reference_renyi_gains(
+    scores: torch.Tensor, group_size: int, alpha: float = 2.0, adv_clip_max: float = 5.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DESIGN §4 in plain PyTorch (float64): D (K, T+1) and gains (K, T), both fp32."""
+    _check_inputs(scores, group_size, alpha, adv_clip_max)
+    return _reference_gains(scores, group_size, alpha, adv_clip_max)
+
+
 @triton.jit
-def _group_tile(
-    scores_ptr,  # (K, T+1, N) scores
-    k,  # reward
-    step,  # sampler step i
+def _final_tile(
+    final_ptr,  # scores of reward k at the last column, offset to that row
     group0,  # first group of the tile
-    n_steps,  # T
     n_groups,  # M
     group_size,  # G
-    stride_k,  # strides of scores
-    stride_i,
-    stride_n,
+    stride_n,  # stride of scores along N
     adv_clip_max,  # A_max
     BLOCK_M: tl.constexpr,  # groups per tile
     BLOCK_G: tl.constexpr,  # power of two ≥ G
 ):
-    """r, group mean of r, z and the masks for BLOCK_M groups; padding stays finite, z = 0 there."""
-    # 1. Load final and step scores as (groups × members), masked.
+    """Offsets, masks, r, group mean of r, std + eps and flatness of BLOCK_M groups' final scores;
+    also Σ 0·s (0, or NaN when a score is not finite)."""
+    # 1. Load the final scores as (groups × members), masked; int64 offsets.
     groups = group0 + tl.arange(0, BLOCK_M)
     members = tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
     member_ok = members < group_size
     mask = group_ok[:, None] & member_ok[None, :]
-    # int32 offsets: the wrapper checks K·(T+1)·N < 2^31.
-    cols = (groups[:, None] * group_size + members[None, :]) * stride_n
-    final = tl.load(scores_ptr + k * stride_k + n_steps * stride_i + cols, mask=mask, other=0.0)
-    final = final.to(tl.float32)
-    at_step = tl.load(scores_ptr + k * stride_k + step * stride_i + cols, mask=mask, other=0.0)
-    at_step = at_step.to(tl.float32)
-    # 2. Group statistics of the final scores; an all-equal group (max == min) is flat.
+    cols = (groups[:, None].to(tl.int64) * group_size + members[None, :]) * stride_n
+    final = tl.load(final_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # 2. Group statistics; an all-equal group (max == min) is flat.
     final_mean = tl.sum(final, axis=1) / group_size
     final_centred = tl.where(mask, final - final_mean[:, None], 0.0)
-    final_std = tl.sqrt(tl.sum(final_centred * final_centred, axis=1) / group_size)
+    spread = tl.sqrt_rn(tl.sum(final_centred * final_centred, axis=1) / group_size) + 1e-4
     final_flat = tl.max(tl.where(mask, final, -float("inf")), axis=1) == tl.min(
         tl.where(mask, final, float("inf")), axis=1
     )
     # 3. Optimality r = 1/2 + A / (2 A_max); A = 0 in flat groups.
-    adv = final_centred / (final_std[:, None] + 1e-4)
+    adv = final_centred / spread[:, None]
     adv = tl.minimum(tl.maximum(adv, -adv_clip_max), adv_clip_max)
     adv = tl.where(final_flat[:, None], 0.0, adv)
     r = 0.5 + adv / (2.0 * adv_clip_max)
     r_mean = tl.sum(tl.where(mask, r, 0.0), axis=1) / group_size
-    # 4. z: step scores centred on their own group mean, scaled by the final scores' std; 0 in flat
-    #    groups.
-    step_mean = tl.sum(at_step, axis=1) / group_size
-    z = (at_step - step_mean[:, None]) / (final_std[:, None] + 1e-4)
-    z = tl.where(mask & ~final_flat[:, None], z, 0.0)
-    return r, r_mean, z, group_ok, member_ok
+    poison = tl.sum(tl.sum(final * 0.0, axis=1), axis=0)
+    return cols, mask, group_ok, member_ok, r, r_mean, spread, final_flat, poison
 
 
 @triton.jit
-def _renyi_divergence_kernel(
+def _step_z(step_ptr, cols, mask, spread, final_flat, group_size):
+    """z of one step row: scores centred on their group mean over the final spread; 0 in flat
+    groups and padding. Also Σ 0·s (0, or NaN when a score is not finite)."""
+    at_step = tl.load(step_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    step_mean = tl.sum(at_step, axis=1) / group_size
+    z = (at_step - step_mean[:, None]) / spread[:, None]
+    z = tl.where(mask & ~final_flat[:, None], z, 0.0)
+    return z, tl.sum(tl.sum(at_step * 0.0, axis=1), axis=0)
+
+
+@triton.jit
+def _group_divergence(
+    r, r_mean, z, slope, is_last, member_ok, group_ok, alpha, group_size, IS_KL: tl.constexpr
+):
+    """Σ over the tile's groups of D_group, with r̂ = clamp(mean r + b z) (r itself if is_last)."""
+    fitted = tl.where(is_last, r, r_mean[:, None] + slope * z)
+    r_hat = tl.minimum(tl.maximum(fitted, 1e-4), 1.0)
+    r_hat = tl.where(member_ok[None, :], r_hat, 1.0)  # keeps padding's logs finite
+    r_hat_mean = tl.sum(tl.where(member_ok[None, :], r_hat, 0.0), axis=1) / group_size
+    log_ratio = tl.log(r_hat) - tl.log(r_hat_mean)[:, None]
+    if IS_KL:
+        terms = tl.where(member_ok[None, :], tl.exp(log_ratio) * log_ratio, 0.0)
+        per_group = tl.sum(terms, axis=1) / group_size
+    else:
+        scaled = tl.where(member_ok[None, :], alpha * log_ratio, -float("inf"))
+        peak = tl.max(scaled, axis=1)
+        sum_exp = tl.sum(tl.exp(scaled - peak[:, None]), axis=1)
+        # log Σ - log G with both logs taken here: exactly 0 for a flat group (Σ = G exactly).
+        log_g = tl.log(r_hat_mean * 0.0 + group_size)
+        per_group = (peak + (tl.log(sum_exp) - log_g)) / (alpha - 1.0)
+    return tl.sum(tl.where(group_ok, per_group, 0.0), axis=0)
+
+
+@triton.jit(do_not_specialize=["n_steps"])  # a real i32 even when T = 1: .to(tl.int64) below
+def _renyi_gains_kernel(
     scores_ptr,  # (K, T+1, N) scores, any float dtype and strides
     divergence_ptr,  # (K, T+1) fp32 output, contiguous
+    gains_ptr,  # (K, T) fp32 output, contiguous
     n_steps,  # T
     n_groups,  # M = N / G
     group_size,  # G
@@ -210,50 +269,67 @@ def _renyi_divergence_kernel(
     stride_i,
     stride_n,
     alpha,  # Rényi order α > 0
-    log_group_size,  # log G
     adv_clip_max,  # A_max
     IS_KL: tl.constexpr,  # α == 1: KL limit
     BLOCK_M: tl.constexpr,  # groups per tile
     BLOCK_G: tl.constexpr,  # power of two ≥ G
 ):
-    # 1. This program's (reward, step); step 0 is 0 by definition.
-    k = tl.program_id(0)
-    step = tl.program_id(1)
-    total = 0.0
-    if step > 0:
-        # 2. First walk: pooled slope b = Σ z (r - mean r) / Σ z² over all groups.
-        num = 0.0
-        den = 0.0
-        for group0 in range(0, n_groups, BLOCK_M):
-            r, r_mean, z, group_ok, member_ok = _group_tile(
-                scores_ptr, k, step, group0, n_steps, n_groups, group_size,
-                stride_k, stride_i, stride_n, adv_clip_max, BLOCK_M, BLOCK_G,
-            )  # fmt: skip
-            num += tl.sum(tl.sum(z * (r - r_mean[:, None]), axis=1), axis=0)
-            den += tl.sum(tl.sum(z * z, axis=1), axis=0)
-        slope = tl.where(den > 0, num / tl.where(den > 0, den, 1.0), 0.0)
-        # 3. Second walk: r̂ (r itself at the last column), log-ratios, divergence per group.
-        for group0 in range(0, n_groups, BLOCK_M):
-            r, r_mean, z, group_ok, member_ok = _group_tile(
-                scores_ptr, k, step, group0, n_steps, n_groups, group_size,
-                stride_k, stride_i, stride_n, adv_clip_max, BLOCK_M, BLOCK_G,
-            )  # fmt: skip
-            fitted = tl.where(step == n_steps, r, r_mean[:, None] + slope * z)
-            r_hat = tl.minimum(tl.maximum(fitted, 1e-4), 1.0)
-            r_hat = tl.where(member_ok[None, :], r_hat, 1.0)  # keeps padding's logs finite
-            r_hat_mean = tl.sum(tl.where(member_ok[None, :], r_hat, 0.0), axis=1) / group_size
-            log_ratio = tl.log(r_hat) - tl.log(r_hat_mean)[:, None]
-            if IS_KL:
-                terms = tl.where(member_ok[None, :], tl.exp(log_ratio) * log_ratio, 0.0)
-                per_group = tl.sum(terms, axis=1) / group_size
-            else:
-                scaled = tl.where(member_ok[None, :], alpha * log_ratio, -float("inf"))
-                peak = tl.max(scaled, axis=1)
-                lse = peak + tl.log(tl.sum(tl.exp(scaled - peak[:, None]), axis=1))
-                per_group = (lse - log_group_size) / (alpha - 1.0)
-            total += tl.sum(tl.where(group_ok, per_group, 0.0), axis=0)
-    # 4. Mean over groups.
-    tl.store(divergence_ptr + k * (n_steps + 1) + step, total / n_groups)
+    # 1. This program's reward k and its two columns: a = i (D = 0 when i = 0) and b = i + 1.
+    k = tl.program_id(0).to(tl.int64)
+    step_a = tl.program_id(1)
+    step_b = step_a + 1
+    base = scores_ptr + k * stride_k
+    final_ptr = base + n_steps.to(tl.int64) * stride_i
+    a_ptr = base + step_a.to(tl.int64) * stride_i
+    b_ptr = base + step_b.to(tl.int64) * stride_i
+    # 2. First walk: the pooled slopes b = Σ z (r - mean r) / Σ z² of both columns.
+    num_a = 0.0
+    den_a = 0.0
+    num_b = 0.0
+    den_b = 0.0
+    poison_a = 0.0
+    poison_b = 0.0
+    for group0 in range(0, n_groups, BLOCK_M):
+        cols, mask, group_ok, member_ok, r, r_mean, spread, flat, poison = _final_tile(
+            final_ptr, group0, n_groups, group_size, stride_n, adv_clip_max, BLOCK_M, BLOCK_G
+        )
+        mask_a = mask & (cols * 0 < step_a)  # column a is read when i > 0 (a tile, not a scalar:
+        z_a, poison_za = _step_z(a_ptr, cols, mask_a, spread, flat, group_size)  # interpreter)
+        z_b, poison_zb = _step_z(b_ptr, cols, mask, spread, flat, group_size)
+        r_centred = r - r_mean[:, None]
+        num_a += tl.sum(tl.sum(z_a * r_centred, axis=1), axis=0)
+        den_a += tl.sum(tl.sum(z_a * z_a, axis=1), axis=0)
+        num_b += tl.sum(tl.sum(z_b * r_centred, axis=1), axis=0)
+        den_b += tl.sum(tl.sum(z_b * z_b, axis=1), axis=0)
+        poison_a += poison + poison_za
+        poison_b += poison + poison_zb
+    slope_a = tl.where(den_a > 0, num_a / tl.where(den_a > 0, den_a, 1.0), 0.0)
+    slope_b = tl.where(den_b > 0, num_b / tl.where(den_b > 0, den_b, 1.0), 0.0)
+    # 3. Second walk: r̂ (r itself at the last column), log-ratios, divergence per group.
+    total_a = 0.0
+    total_b = 0.0
+    for group0 in range(0, n_groups, BLOCK_M):
+        cols, mask, group_ok, member_ok, r, r_mean, spread, flat, poison = _final_tile(
+            final_ptr, group0, n_groups, group_size, stride_n, adv_clip_max, BLOCK_M, BLOCK_G
+        )
+        mask_a = mask & (cols * 0 < step_a)
+        z_a, poison_za = _step_z(a_ptr, cols, mask_a, spread, flat, group_size)
+        z_b, poison_zb = _step_z(b_ptr, cols, mask, spread, flat, group_size)
+        total_a += _group_divergence(
+            r, r_mean, z_a, slope_a, step_a == n_steps, member_ok, group_ok, alpha, group_size,
+            IS_KL,
+        )  # fmt: skip
+        total_b += _group_divergence(
+            r, r_mean, z_b, slope_b, step_b == n_steps, member_ok, group_ok, alpha, group_size,
+            IS_KL,
+        )  # fmt: skip
+    # 4. Means over groups (NaN if a score read was not finite); D[k, 0] = 0 by definition.
+    d_a = tl.where(step_a > 0, total_a / n_groups + poison_a, 0.0)
+    d_b = total_b / n_groups + poison_b
+    tl.store(divergence_ptr + k * (n_steps + 1) + step_b, d_b)
+    tl.store(gains_ptr + k * n_steps + step_a, d_b - d_a)
+    if step_a == 0:
+        tl.store(divergence_ptr + k * (n_steps + 1), 0.0)
 
 
 def renyi_gains(
@@ -262,22 +338,29 @@ def renyi_gains(
     """D (K, T+1) and gains (K, T) of DESIGN §4, fp32.
 
     Runs the Triton kernel on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
-    reference_renyi_gains otherwise.
+    reference_renyi_gains otherwise. One launch, no host-device sync on CUDA (see CHECK_VALUES).
     """
     _check_inputs(scores, group_size, alpha, adv_clip_max)
     if not (scores.is_cuda or _INTERPRET):
-        return reference_renyi_gains(scores, group_size, alpha, adv_clip_max)
+        return _reference_gains(scores, group_size, alpha, adv_clip_max)
+    return _launch(scores, group_size, alpha, adv_clip_max)
+
+
+def _launch(scores, group_size, alpha, adv_clip_max):
+    """The kernel, without checks."""
     n_rewards, n_cols, n = scores.shape
-    block_g = triton.next_power_of_2(group_size)
-    block_m = min(triton.next_power_of_2(n // group_size), max(1, _TILE // block_g))
+    block_g = 1 << (group_size - 1).bit_length()  # next powers of two (triton's: slow from Python)
+    block_m = min(1 << (n // group_size - 1).bit_length(), max(1, _TILE // block_g))
     divergence = torch.empty((n_rewards, n_cols), device=scores.device, dtype=torch.float32)
-    _renyi_divergence_kernel[(n_rewards, n_cols)](
-        scores, divergence, n_cols - 1, n // group_size, group_size, *scores.stride(),
-        float(alpha), math.log(group_size), float(adv_clip_max),
-        IS_KL=alpha == 1.0, BLOCK_M=block_m, BLOCK_G=block_g,
-        num_warps=_NUM_WARPS, enable_fp_fusion=True,
-    )  # fmt: skip
-    return divergence, divergence[:, 1:] - divergence[:, :-1]
+    gains = torch.empty((n_rewards, n_cols - 1), device=scores.device, dtype=torch.float32)
+    with torch.cuda.device(scores.device.index if scores.is_cuda else -1):
+        _renyi_gains_kernel[(n_rewards, n_cols - 1)](
+            scores, divergence, gains, n_cols - 1, n // group_size, group_size, *scores.stride(),
+            float(alpha), float(adv_clip_max),
+            IS_KL=alpha == 1.0, BLOCK_M=block_m, BLOCK_G=block_g,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return divergence, gains
 
 
 if __name__ == "__main__":
@@ -295,7 +378,3 @@ if __name__ == "__main__":
         D_ref, _ = reference_renyi_gains(scores, group_size, alpha)
         profile = " ".join(f"{x:.4f}" for x in D[0].tolist())
         print(f"alpha={alpha}: D[0] = {profile}; max |D - reference| {(D - D_ref).abs().max():.1e}")
-    if device.type == "cuda":
-        for fn in (renyi_gains, reference_renyi_gains):
-            ms = triton.testing.do_bench(lambda fn=fn: fn(scores, group_size))
-            print(f"{fn.__name__:22s} K={n_rewards} T={n_steps} N={scores.shape[2]}: {ms:.3f} ms")

@@ -1,0 +1,215 @@
+"""Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
+DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain) and group_optimality.
+
+On CPU (the default) the kernel runs in the Triton interpreter, switched on by the repository's
+conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the tolerances below
+hold for both (see `tolerance`).
+"""
+
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from kernels import renyi
+
+DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("RECAST_TEST_DEVICE=cuda but no GPU", allow_module_level=True)
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def error_names(name: str) -> str:
+    """Regex: the error message names `name` as a word (at the start or after a space)."""
+    return rf"(^|\s){re.escape(name)}\b"
+
+
+def make_scores(n_rewards, n_steps, n_groups, group_size, seed=0, flat_group=True):
+    """Step scores (on DEVICE) that reveal the final ones progressively; group 0 of reward 0 is
+    flat."""
+    gen = torch.Generator().manual_seed(seed)
+    final = torch.randn(n_rewards, 1, n_groups * group_size, generator=gen)
+    if flat_group:
+        final[0, 0, :group_size] = 0.7
+    mix = torch.linspace(0, 1, n_steps + 1)[None, :, None]
+    noise = torch.randn(n_rewards, n_steps + 1, n_groups * group_size, generator=gen)
+    blur = 0.3 * torch.arange(n_steps + 1.0)[None, :, None]  # a per-step bias, removed by centring
+    return (mix * final + (1 - mix) * noise + blur * (mix < 1)).to(DEVICE)
+
+
+def divergence_ulps(alpha: float) -> float:
+    """How many fp32 ulp of error per unit of log-ratio the divergence amplifies: 1/|α - 1| of
+    the log-sum-exp (α·ℓ of up to |log 1e-4| ≈ 9.2), or 1 for the KL form."""
+    return 1.0 if alpha == 1.0 else (1 + alpha) / abs(alpha - 1)
+
+
+def tolerance(scores, group_size, alpha, adv_clip_max):
+    """(atol of D, atol of the gains): at most twice the error of the same algorithm run in fp32
+    (on the CPU, against float64), plus 64 fp32 ulp scaled by divergence_ulps(α) for the
+    approximate exp and division of a GPU (ex2.approx, div.full.f32)."""
+    cpu = scores.cpu()
+    D_64, gains_64 = renyi._reference_gains(cpu, group_size, alpha, adv_clip_max, torch.float64)
+    D_32, gains_32 = renyi._reference_gains(cpu, group_size, alpha, adv_clip_max, torch.float32)
+    slack = 64 * EPS32 * divergence_ulps(alpha)
+    err_D = (D_32 - D_64).abs().max().item()
+    err_gains = (gains_32 - gains_64).abs().max().item()
+    return 2 * err_D + slack, 2 * err_gains + 2 * slack
+
+
+# (K, T, M groups, G, A_max); A_max = 1 clips many advantages, so r hits 0 and 1 exactly, r̂ hits
+# its clamp and differs from r at the last column.
+RENYI_CASES = [
+    (2, 4, 6, 4, 5.0),
+    (3, 5, 5, 3, 5.0),
+    (1, 2, 7, 1, 5.0),
+    (2, 3, 5, 300, 5.0),
+    (3, 6, 16, 8, 5.0),
+    (2, 4, 6, 8, 1.0),
+    (2, 3, 3, 300, 1.0),
+    (2, 1, 4, 5, 5.0),  # T = 1: one program per reward computes D[:, 1] only
+]
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.0, 0.5, 3.0])
+@pytest.mark.parametrize("case", RENYI_CASES, ids=lambda c: "K{}-T{}-M{}-G{}-A{}".format(*c))
+def test_renyi_gains_matches_reference(case, alpha):
+    n_rewards, n_steps, n_groups, group_size, adv_clip_max = case
+    scores = make_scores(n_rewards, n_steps, n_groups, group_size)
+    D, gains = renyi.renyi_gains(scores, group_size, alpha, adv_clip_max)
+    D_ref, gains_ref = renyi.reference_renyi_gains(scores, group_size, alpha, adv_clip_max)
+    assert D.shape == (n_rewards, n_steps + 1) and gains.shape == (n_rewards, n_steps)
+    assert D.dtype == gains.dtype == torch.float32 and D.device == gains.device == scores.device
+    atol_D, atol_gains = tolerance(scores, group_size, alpha, adv_clip_max)
+    torch.testing.assert_close(D, D_ref, rtol=0, atol=atol_D)
+    torch.testing.assert_close(gains, gains_ref, rtol=0, atol=atol_gains)
+    assert torch.all(D[:, 0] == 0)
+    # The kernel writes D and the gains from the same computation of each D[k, i].
+    torch.testing.assert_close(gains, D[:, 1:] - D[:, :-1], rtol=0, atol=1e-7)
+    torch.testing.assert_close(gains.sum(1), D[:, -1], rtol=1e-6, atol=1e-6)
+    if group_size > 1:  # the scores reveal more and more: D must be informative, D ≥ 0
+        assert D[:, -1].min() > 1e-3 and D.min() >= -atol_D
+    else:
+        assert torch.all(D == 0)  # groups of one image are flat
+
+
+def test_renyi_gains_is_one_launch(monkeypatch):
+    launches = []
+    kernel = renyi._renyi_gains_kernel
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(renyi, "_renyi_gains_kernel", Count())
+    renyi.renyi_gains(make_scores(2, 4, 6, 4), 4)
+    assert launches == [(2, 4)]
+
+
+def test_renyi_gains_strided_and_double_scores():
+    scores = make_scores(2, 4, 6, 4, seed=1).double().transpose(0, 2).contiguous().transpose(0, 2)
+    assert not scores.is_contiguous()
+    D, gains = renyi.renyi_gains(scores, 4)
+    D_ref, gains_ref = renyi.reference_renyi_gains(scores, 4)
+    atol_D, _ = tolerance(scores, 4, 2.0, 5.0)
+    torch.testing.assert_close(D, D_ref, rtol=0, atol=atol_D)
+    # every fourth image of a wider tensor: a stride along N
+    wide = torch.zeros(2, 5, 24 * 4, device=DEVICE, dtype=torch.float64)
+    wide[..., ::4] = scores
+    D_wide, gains_wide = renyi.renyi_gains(wide[..., ::4], 4)
+    assert torch.equal(D_wide, D) and torch.equal(gains_wide, gains)
+
+
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_flat_group_does_not_touch_the_others(fn_name):
+    """A group with equal final scores has z = 0 and D_group = 0: appending one to M groups
+    multiplies D by M / (M + 1) exactly, whatever its step scores. With z = (s_i - mean)/1e-4 there
+    instead, it would dominate Σ z² and flatten every other group's r̂."""
+    fn = getattr(renyi, fn_name)
+    scores = make_scores(2, 4, 5, 4, seed=2, flat_group=False)
+    D, _ = fn(scores, 4)
+    flat = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    flat[:, -1] = 0.25
+    D_more, _ = fn(torch.cat([scores, flat], dim=2), 4)
+    assert not D_more.isnan().any()
+    torch.testing.assert_close(D_more * 6 / 5, D, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_constant_step_scores_give_zero(fn_name):
+    """Step scores all equal within every group reveal nothing: r̂ = mean r, D ≈ 0 at that step
+    (the group means of seven copies of 0.1 are rounded; the equal residues must not matter)."""
+    scores = make_scores(2, 4, 3, 7, seed=4).double()
+    scores[:, 2] = 0.1
+    D, _ = getattr(renyi, fn_name)(scores, 7)
+    assert D[:, 2].abs().max() < 1e-6  # the fp32 log-ratio of r̂ = mean r to its mean: ~1 ulp
+
+
+def test_renyi_last_gain_is_zero_for_euler():
+    """Euler's last step prediction is the sample itself: with no clipped advantage r̂ = r there, so
+    the last gain is 0 (D[:, T] clamps r like r̂), up to the rounding of r̂ = mean r + b z."""
+    scores = make_scores(3, 5, 6, 8, seed=5)  # G = 8: |A| ≤ √7 < 5, nothing clipped
+    scores[:, -2] = scores[:, -1]
+    for alpha in (2.0, 1.0):
+        _, gains = renyi.renyi_gains(scores, 8, alpha)
+        atol = 16 * EPS32 * divergence_ulps(alpha)
+        torch.testing.assert_close(gains[:, -1], torch.zeros_like(gains[:, -1]), rtol=0, atol=atol)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter
+def test_renyi_nonfinite_scores_without_checks_give_nan():
+    """What CUDA does without CHECK_VALUES: D is NaN at every step whose program read a NaN or an
+    inf, and so are the gains next to it; a NaN in the step-0 scores is never read."""
+    scores = make_scores(2, 4, 3, 4, seed=6)
+    scores[0, 2, 5] = float("nan")  # reward 0, step 2
+    scores[1, 4, 0] = float("inf")  # reward 1, final scores: every step of reward 1
+    scores[1, 0, 3] = float("nan")  # step 0: unused
+    D, gains = renyi._launch(scores, 4, 2.0, 5.0)
+    assert D[0, 2].isnan() and not D[0, [0, 1, 3, 4]].isnan().any()
+    assert gains[0, 1:3].isnan().all() and not gains[0, [0, 3]].isnan().any()
+    assert D[1, 0] == 0 and D[1, 1:].isnan().all() and gains[1].isnan().all()
+
+
+def test_group_optimality():
+    scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]], device=DEVICE)
+    r = renyi.group_optimality(scores, 4, adv_clip_max=5.0)
+    assert torch.all(r[0, 4:] == 0.5)  # zero spread
+    g = scores[0, :4]
+    expected = 0.5 + ((g - g.mean()) / (g.std(correction=0) + 1e-4)).clamp(-5, 5) / 10
+    torch.testing.assert_close(r[0, :4], expected)
+    wide = renyi.group_optimality(torch.tensor([0.0] * 30 + [100.0]), 31, adv_clip_max=2.0)
+    assert wide[-1] == 1.0 and wide.min() >= 0.0  # clipped at A_max
+    assert math.isclose(renyi.group_optimality(torch.ones(3), 3)[0].item(), 0.5)
+
+
+def nan_at(scores):
+    scores = scores.clone()
+    scores[1, 2, 5] = float("nan")
+    return scores
+
+
+# (argument the error must name, how to break the inputs)
+BAD_RENYI_INPUTS = [
+    ("scores", lambda s: {"scores": s[0]}),
+    ("scores", lambda s: {"scores": s[:, :1]}),  # T = 0
+    ("scores", lambda s: {"scores": s[:, :, :0]}),  # N = 0
+    ("scores", lambda s: {"scores": nan_at(s)}),
+    ("scores", lambda s: {"scores": (10 * s).long()}),
+    ("group_size", lambda s: {"group_size": 5}),
+    ("group_size", lambda s: {"group_size": 0}),
+    ("alpha", lambda s: {"alpha": 0.0}),
+    ("adv_clip_max", lambda s: {"adv_clip_max": -1.0}),
+]
+
+
+@pytest.mark.parametrize("name, breaks", BAD_RENYI_INPUTS, ids=[n for n, _ in BAD_RENYI_INPUTS])
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_bad_inputs(fn_name, name, breaks, monkeypatch):
+    monkeypatch.setattr(renyi, "CHECK_VALUES", True)  # finiteness on CUDA too
+    scores = make_scores(2, 3, 4, 3)
+    kwargs = {"scores": scores, "group_size": 3, **breaks(scores)}
+    with pytest.raises(ValueError, match=error_names(name)):
+        getattr(renyi, fn_name)(**kwargs)
