@@ -74,7 +74,7 @@ class Args:
     gain_frac: float = 1.0
     """fraction of prompt groups whose step predictions are scored for the gains"""
     # --- rollout ---
-    epochs: int = 25
+    epochs: int = 20
     """training epochs (rollout + update)"""
     prompts: int = 16
     """prompts per epoch, all ranks together"""
@@ -83,15 +83,16 @@ class Args:
     steps: int = 10
     """sampler steps T (also the number of training timesteps)"""
     # --- NFT update ---
-    beta: float = 1.0
-    """NFT strength β (positive and negative policies are θ_old ± β(θ - θ_old))"""
+    beta: float = 0.1
+    """NFT strength β (positive and negative policies are θ_old ± β(θ - θ_old)); the policy moves
+    about 1/β times as far per epoch (docs/recipe.md)"""
     lr: float = 5e-5
-    """AdamW learning rate (1e-4 lets the near-saturated rewards drift down: see README)"""
+    """AdamW learning rate"""
     batch_size: int = 64
     """(image, timestep) pairs per forward/backward (micro-batch), all ranks together"""
     grad_accum: int = 1
     """micro-batches whose gradients are summed into one optimizer step"""
-    train_frac: float = 1.0
+    train_frac: float = 0.5
     """fraction of the epoch's (image, timestep) pairs trained on, drawn at random each epoch"""
     kl_coef: float = 0.0
     """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model"""
@@ -438,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         score_steps = (epoch - 1) % args.gain_every == 0
         if score_steps:  # reward k on every step prediction of the first gain_frac of the groups
             m = max(1, round(args.gain_frac * P_local)) * G
-            steps = [score_all(reward_fns, world.decode(p[:m]), per_image[:m]) for p in preds]
+            steps = [score_all(reward_fns, world.decode(p[:m]), per_image[:m]) for p in preds[1:]]
+            steps.insert(0, torch.zeros_like(steps[0]))  # unread: D_k,0 := 0 (DESIGN §4)
             step_scores = gather(torch.stack([*steps, final[:, :m]], 1))  # (K, T+1, N_sub)
         final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group: (K, N)
         if args.weighting == "sum":  # DiffusionNFT's rule: one reward Σ_k λ_k s_k, W = 1/T

@@ -1,11 +1,12 @@
 """The toy world that `python recast.py` trains on: one coloured shape at a named place.
 
 Images are 32×32 RGB in [-1, 1] (pixel space, no VAE) of one shape (circle, square, triangle) of a
-named colour at a named position on a plain dark background, with a little random jitter of size
-and place. A prompt is "<color> <shape> <position>", e.g. "red circle left". The text encoder is
-frozen and trivial: a fixed seeded vector per word. The base model is a tiny diffusers
-`SD3Transformer2DModel` trained here with rectified flow matching (DESIGN.md §1); its weights ship
-in `toy_model/` and this file retrains them:
+named colour at a named position on a plain dark background. A prompt is "<color> <shape>
+<position>", e.g. "red circle left". The text encoder is frozen and trivial: a fixed seeded vector
+per word. The base model is a tiny diffusers `SD3Transformer2DModel` trained here with rectified
+flow matching (DESIGN.md §1) on pictures of the world that carry four defects, one per reward
+(misplacement, colour cast, blur, specks), each absent with probability 1/3 (DESIGN.md §8);
+its weights ship in `toy_model/` and this file retrains them:
 
     python toyworld.py train                 # ~30 min on a 2-core CPU, deterministic given --seed
     python toyworld.py report                # base-model figures and pictures for the README

@@ -15,7 +15,8 @@ mean over every disjoint pair of steps.
 
 `sweep`: the recipes in RECIPES below, each a recast.py run with --weighting uniform, one seed,
 two at a time with one thread each; a finished run is skipped, an interrupted one resumed. Prints
-the λ-weighted gap closed at each eval and per minute of the run's own time (sum of time/*).
+the λ-weighted gap closed at each eval, per reward and judge at the end, and per minute of the
+run's own time (sum of its time/*: two runs share the 2 cores, so minutes compare across rows).
 """
 
 import argparse
@@ -38,14 +39,27 @@ from kernels.nft_loss import reference_nft_loss  # noqa: E402
 from kernels.renyi import group_optimality  # noqa: E402
 
 LAMBDA = "0.4,0.2,0.2,0.2"
-# name → recast.py flags on top of its defaults (and --weighting uniform, --lambda LAMBDA)
+# name → (β, lr, --grad-accum, --train-frac, --kl-coef, epochs); other flags: recast.py's defaults
 RECIPES = {
-    "beta1-lr5e-5": ["--beta", "1", "--lr", "5e-5"],
-    "beta0.1-lr5e-5": ["--beta", "0.1", "--lr", "5e-5"],
-    "beta0.1-lr5e-5-frac0.5": ["--beta", "0.1", "--lr", "5e-5", "--train-frac", "0.5"],
-    "beta0.1-lr5e-5-kl1e-4": ["--beta", "0.1", "--lr", "5e-5", "--kl-coef", "1e-4"],
-    "beta0.1-lr1.5e-4-accum4": ["--beta", "0.1", "--lr", "1.5e-4", "--grad-accum", "4"],
+    # round 1: the NFT strength β, the KL term, fewer and larger steps, half the pairs
+    "beta1-lr5e-5": (1.0, 5e-5, 1, 1.0, 0.0, 8),
+    "beta0.1-lr5e-5": (0.1, 5e-5, 1, 1.0, 0.0, 8),
+    "beta0.1-lr5e-5-frac0.5": (0.1, 5e-5, 1, 0.5, 0.0, 8),
+    "beta0.1-lr5e-5-kl1e-4": (0.1, 5e-5, 1, 1.0, 1e-4, 8),
+    "beta0.1-lr1.5e-4-accum4": (0.1, 1.5e-4, 4, 1.0, 0.0, 8),
+    # round 2: two optimizer steps of 320 pairs an epoch
+    "beta0.1-lr1.5e-4-accum5-frac0.5": (0.1, 1.5e-4, 5, 0.5, 0.0, 8),
+    "beta0.1-lr3e-4-accum5-frac0.5": (0.1, 3e-4, 5, 0.5, 0.0, 8),
+    # round 3: the two best per minute of round 1, run longer
+    "beta0.1-lr5e-5-frac0.5-16ep": (0.1, 5e-5, 1, 0.5, 0.0, 16),
+    "beta0.1-lr1.5e-4-accum4-16ep": (0.1, 1.5e-4, 4, 1.0, 0.0, 16),
 }
+
+
+def flags(recipe: tuple) -> list[str]:
+    beta, lr, accum, frac, kl, epochs = recipe
+    return [f"--beta={beta}", f"--lr={lr}", f"--grad-accum={accum}", f"--train-frac={frac}",
+            f"--kl-coef={kl}", f"--epochs={epochs}"]  # fmt: skip
 
 
 def signal(args) -> None:
@@ -96,12 +110,12 @@ def signal(args) -> None:
         print(f"| {m * a.batch_size} | {M // m} | {sum(cos) / len(cos):+.3f} ({len(cos)} pairs) |")
 
 
-def run_one(out: str, flags: list[str], seed: int, epochs: int) -> str:
+def run_one(out: str, recipe: tuple, seed: int) -> str:
     if os.path.exists(os.path.join(out, "summary.json")):
         return out
     cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", LAMBDA, "--weighting"]
-    cmd += ["uniform", "--seed", str(seed), "--epochs", str(epochs), "--eval-every", "2"]
-    cmd += [*flags, "--out", out] + (["--resume"] if os.path.exists(out) else [])
+    cmd += ["uniform", "--seed", str(seed), "--eval-every", "2", *flags(recipe), "--out", out]
+    cmd += ["--resume"] if os.path.exists(out) else []
     with open(out + ".log", "a") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
@@ -113,9 +127,9 @@ def sweep(args) -> None:
     names = [n for n in RECIPES if not args.only or n in args.only.split(",")]
     outs = {n: os.path.join(args.out, n) for n in names}
     with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(run_one, outs[n], RECIPES[n], args.seed, args.epochs) for n in names]:
+        for f in [pool.submit(run_one, outs[n], RECIPES[n], args.seed) for n in names]:
             f.result()
-    print(f"--weighting uniform --lambda {LAMBDA} --seed {args.seed} --epochs {args.epochs}")
+    print(f"--weighting uniform --lambda {LAMBDA} --seed {args.seed} --eval-every 2")
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "
           "gap per minute |\n|---|---|---|---|---|")  # fmt: skip
     for n in names:
@@ -140,7 +154,6 @@ if __name__ == "__main__":
     sg.add_argument("--threads", type=int, default=1)
     sw = sub.add_parser("sweep", help="learning speed of the recipes (resumable)")
     sw.add_argument("--seed", type=int, default=0)
-    sw.add_argument("--epochs", type=int, default=8)
     sw.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
     sw.add_argument("--out", default="sweeps/recipe")
     args = ap.parse_args()
