@@ -144,6 +144,23 @@ def test_world_defects_are_common_clean_pictures_too():
         assert (s.view(-1, 8).std(1) > 0).float().mean() > 0.9, n
 
 
+@pytest.mark.parametrize(
+    "flag,value", [("--steps", "0"), ("--batch", "-1"), ("--lr", "nan"), ("--seed", "-2")]
+)
+def test_base_model_training_bad_input_exits_2_and_writes_nothing(tmp_path, flag, value):
+    out = tmp_path / "model"
+    script = os.path.join(HERE, "toyworld.py")
+    argv = [sys.executable, script, "train", flag, value, "--out", str(out)]
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and flag in done.stderr, done.stderr
+    assert not out.exists()
+
+
 def test_nonfinite_reward_names_reward_and_prompt():
     def broken(images, prompts):
         s = torch.zeros(len(prompts))
@@ -365,6 +382,7 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--group-size", "1"], "--group-size"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--tau", "0"], "--tau"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--grad-accum", "0"], "--grad-accum"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--train-frac", "1.5"], "--train-frac"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
 ]

@@ -53,6 +53,11 @@ RECIPES = {
     # round 3: the two best per minute of round 1, run longer
     "beta0.1-lr5e-5-frac0.5-16ep": (0.1, 5e-5, 1, 0.5, 0.0, 16),
     "beta0.1-lr1.5e-4-accum4-16ep": (0.1, 1.5e-4, 4, 1.0, 0.0, 16),
+    # round 4: the default length (20 epochs) with a KL to the base strong enough to matter
+    "beta0.1-lr5e-5-frac0.5-20ep": (0.1, 5e-5, 1, 0.5, 0.0, 20),
+    "beta0.1-lr5e-5-frac0.5-kl0.3-20ep": (0.1, 5e-5, 1, 0.5, 0.3, 20),
+    "beta0.1-lr5e-5-frac0.5-kl1-20ep": (0.1, 5e-5, 1, 0.5, 1.0, 20),
+    "beta0.1-lr5e-5-frac0.5-kl3-20ep": (0.1, 5e-5, 1, 0.5, 3.0, 20),
 }
 
 
