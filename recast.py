@@ -308,7 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.model != "toy" and not is_toy_model(args.model):
         import sd3world
 
-        sd3world.check(args, names)  # --rewards, --prompts-file
+        try:
+            sd3world.check(args, names)  # --rewards, --prompts-file
+        except sd3world.BadInput as e:
+            cli.fail(e.flag, str(e))
 
     # --- processes, device, seeding ---
     use_cuda = torch.cuda.is_available() and args.device != "cpu"

@@ -16,15 +16,10 @@ feeds zeros in place of the T5 tokens, as the pipeline itself does.
 
 import contextlib
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-import cli
 import rewards
-
-if TYPE_CHECKING:
-    from recast import Args
 
 # DiffusionNFT's and Flow-GRPO's LoRA targets for SD3: the joint attention's image (to_*) and
 # context (add_*, to_add_out) projections. peft matches them as name suffixes, so SD3.5's second
@@ -53,26 +48,39 @@ def split_prompts(prompts_file: str, eval_prompts_file: str = "") -> tuple[list[
     return prompts[:-n_eval], prompts[-n_eval:]
 
 
-def check(args: "Args", names: list[str]) -> None:
-    """The flags an SD3 run needs, checked before anything is loaded (exit 2 naming the flag)."""
+class BadInput(ValueError):
+    """A flag an SD3 run cannot use: `flag` names it, the message says the fix."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag
+
+
+def check(args, names: list[str]) -> None:
+    """The flags an SD3 run needs (`args`: recast.py's flags), checked before anything is loaded;
+    a BadInput naming the flag otherwise."""
     toy = [n for n in names if n in rewards.TOY]
     if toy:
-        cli.fail(
+        raise BadInput(
             "--rewards",
             f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
             f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(rewards.PRESETS)})",
         )
     if not args.prompts_file:
-        cli.fail("--prompts-file", f"--model {args.model} needs training prompts, one per line")
+        raise BadInput(
+            "--prompts-file", f"--model {args.model} needs training prompts, one per line"
+        )
     files = {"--prompts-file": args.prompts_file, "--eval-prompts-file": args.eval_prompts_file}
     for flag, path in files.items():
         if path and not os.path.isfile(path):
-            cli.fail(flag, f"{path} is not a file")
+            raise BadInput(flag, f"{path} is not a file")
         if path and not read_prompts(path):
-            cli.fail(flag, f"{path} holds no prompts (one per line, blank lines skipped)")
+            raise BadInput(flag, f"{path} holds no prompts (one per line, blank lines skipped)")
     train, _ = split_prompts(args.prompts_file, args.eval_prompts_file)
     if not train:
-        cli.fail("--prompts-file", "needs ≥ 2 prompts when the held-out ones come from it too")
+        raise BadInput(
+            "--prompts-file", "needs ≥ 2 prompts when the held-out ones come from it too"
+        )
 
 
 class SD3World:
@@ -81,7 +89,9 @@ class SD3World:
     reward_names = rewards.PRESETS["paper1"]
     judge_names = ()  # held-out judges are reward models too: none is scored by default
 
-    def __init__(self, args: "Args", device: torch.device):
+    def __init__(self, args, device: torch.device):
+        """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
+        lora_rank, lora_alpha, grad_checkpointing are read)."""
         from diffusers import StableDiffusion3Pipeline
         from peft import LoraConfig
 

@@ -8,12 +8,14 @@ interpreter on for the whole pytest process (see there), so nft_loss/renyi_gains
 tensors here run the interpreted kernels too.
 """
 
+import ast
 import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,6 +36,57 @@ def _swap(prompts, slot, choices):
         words[slot] = next(c for c in choices if c != words[slot])
         out.append(" ".join(words))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure: one-way imports
+# ---------------------------------------------------------------------------------------------
+def _project_imports() -> dict[str, set[str]]:
+    """module → the project modules it imports (anywhere in its body, lazy imports included)."""
+    files = {p.stem: p for p in Path(HERE).glob("*.py") if not p.stem.startswith("test_")}
+    files.pop("conftest", None)
+    files.update({f"kernels.{p.stem}": p for p in (Path(HERE) / "kernels").glob("[!t_]*.py")})
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def test_imports_are_one_way():
+    """Worlds and rewards are leaves (they never import the loop, its command line or plumbing),
+    kernels import only torch, triton and math, and no cycle exists among the project's modules."""
+    graph = _project_imports()
+    assert {"recast", "toyworld", "sd3world", "rewards", "kernels.nft_loss"} <= set(graph)
+    for leaf in ("toyworld", "sd3world", "rewards"):
+        assert not graph[leaf] & {"recast", "cli", "checkpoint", "plots"}, (leaf, graph[leaf])
+    assert not any("recast" in deps for deps in graph.values()), graph
+    for kernel in ("kernels.nft_loss", "kernels.renyi"):
+        tree = ast.parse((Path(HERE) / f"{kernel.replace('.', '/')}.py").read_text())
+        roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                 for a in n.names}  # fmt: skip
+        roots |= {n.module.split(".")[0] for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        assert roots <= {"torch", "triton", "math", "__future__"}, (kernel, roots)
+    done, stack = set(), []
+
+    def visit(m):  # depth-first search; a module met again on the stack closes a cycle
+        assert m not in stack, f"import cycle: {' → '.join([*stack[stack.index(m) :], m])}"
+        if m in done:
+            return
+        stack.append(m)
+        for d in graph[m]:
+            visit(d)
+        stack.pop()
+        done.add(m)
+
+    for m in graph:
+        visit(m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +257,10 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
 
 
 def test_base_model_position_is_decided_before_sharpness_and_background(toy_world):
-    names, D, gains, profiles, _ = tw.base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    from base_model import base_profiles
+
+    names, D, gains, profiles, _ = base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
     c = dict(zip(names, centroid(profiles).tolist(), strict=True))
     assert c["position"] < c["sharpness"] and c["position"] < c["background"], c
     assert max(c.values()) - min(c.values()) >= 1.5, c  # spread over the trajectory (T = 10)
