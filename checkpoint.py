@@ -13,6 +13,8 @@ import json
 import os
 import random
 import shutil
+import signal
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -160,3 +162,57 @@ def append_metrics(run_dir: str, m: dict) -> None:
         f.write(json.dumps(m) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------
+# Run bookkeeping for recast.py: start or resume a run folder, SIGINT, the final summary
+# ---------------------------------------------------------------------------------------------
+def start_or_resume(args, world, optimizer, rank: int, log=print):
+    """A new run folder, or the run in args.out continued from its last good checkpoint (weights,
+    optimizer, RNG, gain EMA). Returns (first epoch to run, optimizer steps, gain EMA, metrics
+    history); rank 0 (re)writes args.json and metrics.jsonl up to the resumed epoch."""
+    start, gains_ema, opt_steps, history = 1, None, 0, []
+    if args.resume:
+        ckpt = load_latest(args.out, log)
+        if ckpt is not None:
+            tensors, optim_state, state = ckpt
+            world.load_state_dict({k: v.to(world.device) for k, v in tensors.items()})
+            optimizer.load_state_dict(optim_state)
+            set_rng_state(state["rng"])
+            start, opt_steps = state["epoch"] + 1, state["opt_steps"]
+            if state["gains_ema"] is not None:
+                gains_ema = torch.tensor(state["gains_ema"], dtype=torch.float64)
+            log(f"resuming {args.out} after epoch {state['epoch']}")
+        history = read_metrics(args.out, start - 1)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        write_json_atomic(os.path.join(args.out, "args.json"), asdict(args))
+        rewrite_metrics(args.out, history)
+    return start, opt_steps, gains_ema, history
+
+
+def stop_on_sigint(log=print) -> list:
+    """A list that becomes non-empty at the first SIGINT (the loop finishes its epoch, saves and
+    exits); a second SIGINT aborts at once."""
+    stop = []
+
+    def on_sigint(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signum)
+        log("\ninterrupt: finishing this epoch, then saving (Ctrl-C again: abort, lose the epoch)")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return stop
+
+
+def write_summary(args, history: list[dict], base: dict, names: list[str], log=print) -> None:
+    """summary.json: the base model's eval, the last eval, and the gaps closed."""
+    evals = [m for m in history if "eval/" + names[0] in m]
+    summary = {"epochs": args.epochs, "base": base}
+    for key in ("eval", "gap"):
+        summary["final" if key == "eval" else key] = {
+            k.split("/", 1)[1]: v for k, v in evals[-1].items() if k.startswith(key + "/")
+        }
+    write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+    log(f"done: {args.out}/summary.json")

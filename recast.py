@@ -27,10 +27,10 @@ import hashlib
 import math
 import os
 import random
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -149,16 +149,57 @@ def sample(velocity, noise: torch.Tensor, cond, sigmas: torch.Tensor):
     return x, torch.stack(preds)
 
 
+def rollout(run: "Run", epoch: int):
+    """P prompts × G images from the old policy; this rank samples its share of the groups.
+    Returns every rank's prompts, this rank's prompts, x0 (n, C, H, W) and x̂0 (T, n, C, H, W)."""
+    args, world, G = run.args, run.world, run.args.group_size
+    P_local = args.prompts // run.world_size
+    g_prompts, g_noise = epoch_generator(args.seed, epoch, 0), epoch_generator(args.seed, epoch, 1)
+    idx = torch.randint(len(world.train_prompts), (args.prompts,), generator=g_prompts)
+    prompts = [world.train_prompts[i] for i in idx]  # every rank's, rank-major
+    noise = torch.randn(args.prompts * G, *world.latent_shape, generator=g_noise)
+    mine = slice(run.rank * P_local, (run.rank + 1) * P_local)
+    my_noise = noise[mine.start * G : mine.stop * G].to(world.device)
+    my_cond = world.encode(prompts[mine])  # per prompt: image n belongs to prompt n // G
+    old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
+    x0, preds = [], []
+    for s in tqdm(range(0, P_local * G, args.batch_size), f"epoch {epoch} rollout", **run.bar):
+        n = torch.arange(s, min(s + args.batch_size, P_local * G), device=world.device)
+        x, pred = sample(old, my_noise[n], tuple(c[n // G] for c in my_cond), run.sigmas)
+        x0.append(x)
+        preds.append(pred)
+    return prompts, prompts[mine], torch.cat(x0), torch.cat(preds, 1)
+
+
 # ---------------------------------------------------------------------------------------------
-# Phase 2 — rewards (DESIGN §3)
+# Phase 2 — rewards → optimality probabilities (DESIGN §3)
 # ---------------------------------------------------------------------------------------------
 def score_all(reward_fns: dict, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """(K, B) scores, one row per reward; NaN/inf is an error naming the reward and the prompt."""
     return torch.stack([rewards.score(n, fn, images, prompts) for n, fn in reward_fns.items()])
 
 
+def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
+    """r (K, N) in [0, 1] per reward and group; with --weighting sum, DiffusionNFT's single
+    reward Σ_k λ_k s_k (1, N)."""
+    G, A = run.args.group_size, run.args.adv_clip_max
+    if run.args.weighting == "sum":
+        return group_optimality((run.lam.to(final) @ final)[None], G, A)
+    return group_optimality(final, G, A)
+
+
+def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
+    """(K, T+1, N_sub): reward k on the step predictions of the first --gain-frac of the groups
+    (the step-0 column is never read: D_k,0 := 0) and on their final images, every rank's."""
+    G, P_local = run.args.group_size, run.args.prompts // run.world_size
+    m = max(1, round(run.args.gain_frac * P_local)) * G
+    decode = run.world.decode
+    steps = [score_all(run.reward_fns, decode(p[:m]), per_image[:m]) for p in preds[1:]]
+    return gather(torch.stack([torch.zeros_like(steps[0]), *steps, final[:, :m]], 1))
+
+
 # ---------------------------------------------------------------------------------------------
-# Phase 3 — gain profiles and the weight matrix W (DESIGN §5)
+# Phase 3 — gains (DESIGN §4) and the weight matrix W (DESIGN §5)
 # ---------------------------------------------------------------------------------------------
 def gain_profiles(gains: torch.Tensor, floor: float = 0.1) -> torch.Tensor:
     """p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T; a reward without positive gain is flat."""
@@ -197,7 +238,76 @@ def centroid(weights: torch.Tensor) -> torch.Tensor:
     return (weights * i).sum(-1) / weights.sum(-1)
 
 
+def weights(run: "Run", step_scores, gains_ema, metrics: dict):
+    """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
+    epochs, and W (K, T) for --weighting recast | uniform | sum. Returns (W, gains_ema)."""
+    args, K, T = run.args, len(run.names), run.args.steps
+    if step_scores is not None:
+        D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
+        gains = gains.double().cpu()  # D (K, T+1), gains (K, T)
+        ema = args.gain_ema if gains_ema is not None else 0.0
+        gains_ema = gains if gains_ema is None else ema * gains_ema + (1 - ema) * gains
+        metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
+    if args.weighting == "recast":
+        return recast_weights(gains_ema, run.lam, args.tau, args.floor), gains_ema
+    return (run.lam[:, None] / T).expand(K, T).float(), gains_ema
+
+
 # ---------------------------------------------------------------------------------------------
+# Phase 4 — the NFT update, each (image, timestep) pair with its own r̄ (DESIGN §6)
+# ---------------------------------------------------------------------------------------------
+def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
+    """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
+    index, in micro-batches of --batch-size pairs, --grad-accum of them per optimizer step.
+    `nft_loss` is the fused kernel; `reference_nft_loss` in kernels/nft_loss.py is the same loss
+    in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
+    args, world, T, G = run.args, run.world, run.args.steps, run.args.group_size
+    W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
+    W_train, g_train, device = (
+        W_train.to(world.device),
+        epoch_generator(args.seed, epoch, 2),
+        x0.device,
+    )
+    N, losses = x0.shape[0], []
+    cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
+    pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
+    pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
+    micro = list(range(0, len(pairs), args.batch_size))
+    for j, s in enumerate(tqdm(micro, f"epoch {epoch} update", **run.bar)):
+        batch = pairs[s : s + args.batch_size]
+        step_start = j - j % args.grad_accum  # the micro-batches of this optimizer step
+        step_end = min(step_start + args.grad_accum, len(micro))
+        step_pairs = min(len(pairs), micro[step_end - 1] + args.batch_size) - micro[step_start]
+        eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
+        rank, ws = run.rank, run.world_size
+        mine = slice(rank * len(batch) // ws, (rank + 1) * len(batch) // ws)
+        n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
+        t, eps = run.sigmas[i], eps[mine].to(device)
+        x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
+        c = tuple(cc[n // G] for cc in cond)
+        v_theta = world.v("policy", x_t, c, t)
+        with torch.no_grad():
+            v_old = world.v("old", x_t, c, t)
+            v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
+        loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W_train, args.beta,
+                        args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+        if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
+            raise FloatingPointError(
+                f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
+                f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
+            )
+        (loss * len(batch) / step_pairs).backward()  # the step's gradient: mean over its pairs
+        losses.append(loss.detach())
+        if j + 1 == step_end:
+            torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            opt_steps += 1
+    return gather(torch.stack(losses).mean()[None]).mean().item(), opt_steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 5 — the old policy is an EMA of the trained weights (DESIGN §6): world.update_old
 # Phase 6 — eval on held-out prompts with fixed noise
 # ---------------------------------------------------------------------------------------------
 EVAL_SEED = 20260929  # the same eval noise for every run, so runs compare on the same images
@@ -228,9 +338,275 @@ def evaluate(
     return {name: rewards.score(name, fn, images, prompts) for name, fn in scorers.items()}, images
 
 
+class EvalSet:
+    """The held-out prompts × --eval-seeds with fixed noise (each rank scores a share), the
+    ideal rendering's scores where the world has one, and the base model's (epoch 0)."""
+
+    def __init__(self, run: "Run", history: list[dict]):
+        args, world, ws = run.args, run.world, run.world_size
+        self.run = run
+        prompts = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
+        noise = torch.randn(len(prompts), *world.latent_shape,
+                            generator=torch.Generator().manual_seed(EVAL_SEED))  # fmt: skip
+        share = slice(run.rank * len(prompts) // ws, (run.rank + 1) * len(prompts) // ws)
+        self.prompts, self.noise = prompts[share], noise[share]
+        self.ideal = world.ideal(self.prompts)  # None where there is no ideal rendering
+        self.ideal_eval = None if self.ideal is None else {
+            k: mean_all(rewards.score(k, fn, self.ideal, self.prompts).to(world.device))
+            for k, fn in run.scorers.items()
+        }  # fmt: skip
+        self.base_images = None
+        if history:  # resumed: the base model's scores are in the first line of metrics.jsonl
+            self.base = {k[5:]: v for k, v in history[0].items() if k.startswith("eval/")}
+            return
+        self.base, self.base_images = self.score("ref")
+        history.append({"epoch": 0, **{f"eval/{k}": v for k, v in self.base.items()}})
+        if self.ideal is not None:
+            history[0].update({f"ideal/{k}": v for k, v in self.ideal_eval.items()})
+        if run.rank == 0:
+            checkpoint.append_metrics(args.out, history[0])
+        run.log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in self.base.items()))
+
+    def score(self, which: str = "policy", scorers: dict | None = None):
+        """({name: mean over every rank}, this rank's images) of the policy `which`."""
+        run = self.run
+        scorers = run.scorers if scorers is None else scorers
+        means, images = evaluate(run.world, scorers, self.prompts, self.noise, run.sigmas,
+                                 run.args.batch_size, which)  # fmt: skip
+        return {k: mean_all(v.to(run.world.device)) for k, v in means.items()}, images
+
+    def __call__(self, epoch: int, metrics: dict) -> None:
+        """Eval the trained policy into `metrics` (eval/*, gap/*) and draw samples.png."""
+        ev, images = self.score()
+        metrics.update({f"eval/{k}": v for k, v in ev.items()})
+        if self.ideal is not None:  # fraction of the base → ideal-rendering gap closed
+            span = {k: self.ideal_eval[k] - self.base[k] for k in ev}  # 0: nothing left to close
+            gap = {k: (ev[k] - self.base[k]) / span[k] if span[k] else 0.0 for k in ev}
+            metrics.update({f"gap/{k}": v for k, v in gap.items()})
+            lam, names = self.run.lam, self.run.names
+            metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
+        if self.run.rank == 0:
+            if self.base_images is None:  # resumed: redraw, unscored, as no other rank is here
+                _, self.base_images = self.score("ref", {})
+            save_samples(self.run.args, self.base_images, images, self.ideal,
+                         self.run.world.eval_prompts, epoch)  # fmt: skip
+
+
+def save_samples(args, base_images, latest_images, ideal, eval_prompts, epoch) -> None:
+    """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
+    held = len(latest_images) // args.eval_seeds  # held-out prompts in this rank's share
+    rows = min(8, held)  # evenly spaced through the sorted list: several colours, shapes, places
+    pick = [round(j * (held - 1) / max(1, rows - 1)) for j in range(rows)]
+    seeds = [p * args.eval_seeds + s for p in pick for s in range(args.eval_seeds)]
+    panels = {"base model": base_images[seeds], f"epoch {epoch}": latest_images[seeds]}
+    if ideal is not None:
+        panels["ideal"] = ideal[[p * args.eval_seeds for p in pick]]
+    plots.save_samples_figure(
+        os.path.join(args.out, "samples.png"), panels, [eval_prompts[p] for p in pick]
+    )
+
+
+def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
+    """The one fixed-format line per epoch."""
+    parts = [
+        f"epoch {m['epoch']:3d}",
+        " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
+    ]
+    parts.append(f"loss {m['loss']:.4f}")
+    parts.append("centroid(W) " + " ".join(f"{c:.1f}" for c in centroid(W.double()).tolist()))
+    if "gap/weighted" in m:
+        parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
+    parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: what every phase reads, and the loop
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    args: Args
+    names: list[str]  # reward names, in --lambda order
+    lam: torch.Tensor  # (K,) float64, sums to 1
+    rank: int
+    world_size: int
+    world: object  # toyworld.ToyWorld or sd3world.SD3World
+    reward_fns: dict  # the trained rewards
+    scorers: dict  # the trained rewards and the held-out judges
+    sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
+    params: list
+    optimizer: torch.optim.Optimizer
+    log: object
+    bar: dict
+
+
+@contextmanager
+def timed(metrics: dict, name: str):
+    tic = time.perf_counter()
+    yield
+    metrics[f"time/{name}"] = time.perf_counter() - tic
+
+
+def main(argv: list[str] | None = None) -> None:
+    run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
+    args, world, names = run.args, run.world, run.names
+    ckpt = checkpoint.start_or_resume(args, world, run.optimizer, run.rank, run.log)
+    start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
+    evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
+    stop = checkpoint.stop_on_sigint(run.log)  # SIGINT: finish the epoch, checkpoint, exit
+    for epoch in range(start, args.epochs + 1):
+        m = {"epoch": epoch}
+        with timed(m, "rollout"):  # 1. the old policy samples G images per prompt (DESIGN §2)
+            prompts, my_prompts, x0, preds = rollout(run, epoch)
+        with timed(m, "score"):  # 2. rewards → optimality r per reward and group (DESIGN §3)
+            per_image = [p for p in my_prompts for _ in range(args.group_size)]
+            final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
+        with timed(m, "recast"):  # 3. step scores, gains, W: ReCAST's own cost (DESIGN §4-5)
+            with_steps = (epoch - 1) % args.gain_every == 0
+            step_scores = score_steps(run, preds, final, per_image) if with_steps else None
+            final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
+            r = optimality(run, final)
+            W, gains_ema = weights(run, step_scores, gains_ema, m)
+        m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
+        m["groups/constant"] = int((final.view(len(names), -1, args.group_size).std(2) == 0).sum())
+        m["W"] = W.tolist()
+        with timed(m, "update"):  # 4. the NFT update, rewards mixed per timestep by W (DESIGN §6)
+            m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
+        m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (DESIGN §6)
+        world.update_old(m["decay"])
+        if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
+            held = {"W": W, **world.state_dict()}
+            m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
+        last = epoch == args.epochs or bool(stop)  # 6. eval, log, pictures, checkpoint
+        if epoch % args.eval_every == 0 or last:
+            with timed(m, "eval"):
+                evals(epoch, m)
+        save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+        if stop:
+            run.log(f"stopped after epoch {epoch}; continue: python recast.py --out {args.out} "
+                    "--resume")  # fmt: skip
+            break
+    if run.rank == 0 and not stop:
+        checkpoint.write_summary(args, history, evals.base, names, run.log)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if stop:
+        sys.exit(130)
+
+
+def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
+    """Refuse a non-finite metric; append metrics.jsonl, redraw W.png, checkpoint (rank 0)."""
+    args, epoch = run.args, m["epoch"]
+    bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(
+            f"{bad[0]} is {m[bad[0]]} at epoch {epoch}; "
+            f"the last good checkpoint in {args.out}/ckpt is kept"
+        )
+    history.append(m)
+    if run.rank == 0:
+        checkpoint.append_metrics(args.out, m)
+        plots.save_weights_figure(
+            os.path.join(args.out, "W.png"), W, gain_profiles(gains_ema, args.floor), run.lam,
+            run.names, run.sigmas.cpu(), f"epoch {epoch}  ·  --weighting {args.weighting}",
+        )  # fmt: skip
+        if epoch % args.ckpt_every == 0 or last:
+            gains_list = gains_ema.tolist() if gains_ema is not None else None
+            state = {"opt_steps": opt_steps, "gains_ema": gains_list}
+            checkpoint.save(args.out, epoch, run.world.state_dict(), run.optimizer.state_dict(),
+                            state)  # fmt: skip
+    run.log(log_line(m, run.names, W))
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up: flags, processes, world and rewards — every check before anything is written
+# ---------------------------------------------------------------------------------------------
+def is_toy_model(path: str) -> bool:
+    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    return has("config.json") and not has("model_index.json")
+
+
+def load_world(args: Args, device: torch.device):
+    """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
+    if args.model == "toy" or is_toy_model(args.model):
+        import toyworld
+
+        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
+    import sd3world
+
+    try:
+        return sd3world.SD3World(args, device)
+    except (OSError, ValueError) as e:
+        cli.fail("--model", f"could not load {args.model!r}: {e}")
+
+
+def setup(argv: list[str] | None) -> Run:
+    args = cli.parse(Args, argv, __doc__, {"weighting": ["recast", "uniform", "sum"]})
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    cli.check(args, world_size, RESUMABLE)
+    names = rewards.expand(args.rewards)  # presets such as paper1 become their rewards
+    known = [*rewards.REWARDS, *rewards.LOADERS]
+    if not names or any(n not in known for n in names):
+        bad = ", ".join(n for n in names if n not in known) or "(none)"
+        choices = ", ".join([*known, *rewards.PRESETS])
+        cli.fail("--rewards", f"unknown reward {bad}; choose from {choices}")
+    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
+    if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
+        cli.fail("--model", f"{args.model!r} is not 'toy', a folder, or a hub id 'org/name'")
+    if args.model != "toy" and not is_toy_model(args.model):
+        import sd3world
+
+        try:
+            sd3world.check(args, names)  # --rewards, --prompts-file
+        except sd3world.BadInput as e:
+            cli.fail(e.flag, str(e))
+    rank, device = init_processes(args, distributed)
+    world = load_world(args, device)
+    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
+        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
+                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
+    try:  # a reward model missing (file, package, hub access) is bad input too
+        reward_fns = {n: rewards.get(n, device) for n in names}
+        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in world.judge_names}}
+    except (ImportError, OSError, ValueError) as e:
+        cli.fail("--rewards", f"could not load a reward model: {e}")
+    if distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optimizer.zero_grad(set_to_none=True)
+    args.out = args.out or os.path.join(
+        "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{args.weighting}-s{args.seed}"
+    )
+    log = print if rank == 0 else (lambda *a, **k: None)
+    bar = dict(leave=False, disable=rank > 0)
+    sigmas = world.sigmas(args.steps)
+    return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
+               optimizer, log, bar)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # Distributed helpers (identity on one process)
 # ---------------------------------------------------------------------------------------------
+def init_processes(args: Args, distributed: bool) -> tuple[int, torch.device]:
+    """(rank, device), the process group started under torchrun; seeds set per rank."""
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    return rank, device
+
+
 def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate a tensor across ranks along `dim` (rank order); every rank gets the result."""
     if not dist.is_initialized():
@@ -268,331 +644,6 @@ def epoch_generator(seed: int, epoch: int, purpose: int) -> torch.Generator:
     """Every random draw of an epoch comes from generators seeded by (seed, epoch, purpose): the
     same on every rank and after a resume, which is what makes resume exact."""
     return torch.Generator().manual_seed(((seed * 100_003 + epoch) * 7 + purpose) % 2**63)
-
-
-def is_toy_model(path: str) -> bool:
-    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
-    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
-    return has("config.json") and not has("model_index.json")
-
-
-def load_world(args: Args, device: torch.device):
-    """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
-    if args.model == "toy" or is_toy_model(args.model):
-        import toyworld
-
-        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    import sd3world
-
-    try:
-        return sd3world.SD3World(args, device)
-    except (OSError, ValueError) as e:
-        cli.fail("--model", f"could not load {args.model!r}: {e}")
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = cli.parse(Args, argv, __doc__, {"weighting": ["recast", "uniform", "sum"]})
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
-    cli.check(args, world_size, RESUMABLE)
-    names = rewards.expand(args.rewards)  # presets such as paper1 become their rewards
-    known = [*rewards.REWARDS, *rewards.LOADERS]
-    if not names or any(n not in known for n in names):
-        bad = ", ".join(n for n in names if n not in known) or "(none)"
-        choices = ", ".join([*known, *rewards.PRESETS])
-        cli.fail("--rewards", f"unknown reward {bad}; choose from {choices}")
-    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
-    K, T, G = len(names), args.steps, args.group_size
-    if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
-        cli.fail("--model", f"{args.model!r} is not 'toy', a folder, or a hub id 'org/name'")
-    if args.model != "toy" and not is_toy_model(args.model):
-        import sd3world
-
-        try:
-            sd3world.check(args, names)  # --rewards, --prompts-file
-        except sd3world.BadInput as e:
-            cli.fail(e.flag, str(e))
-
-    # --- processes, device, seeding ---
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and distributed:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    log = print if rank == 0 else (lambda *a, **k: None)
-
-    # --- world, rewards, optimizer: all loaded before anything is written ---
-    world = load_world(args, device)
-    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
-        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
-                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
-    try:  # a reward model missing (file, package, hub access) is bad input too
-        reward_fns = {n: rewards.get(n, device) for n in names}
-        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in world.judge_names}}
-    except (ImportError, OSError, ValueError) as e:
-        cli.fail("--rewards", f"could not load a reward model: {e}")
-    sigmas = world.sigmas(T)  # (T+1,): t_0 = 1 > … > t_T = 0
-    if distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
-    params = [p for p in world.trainable.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    optimizer.zero_grad(set_to_none=True)
-
-    # --- run folder: new, or resumed from its last good checkpoint ---
-    args.out = out = args.out or os.path.join(
-        "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{args.weighting}-s{args.seed}"
-    )
-    start_epoch, gains_ema, opt_steps, history = 1, None, 0, []
-    if args.resume:
-        ckpt = checkpoint.load_latest(out, log)
-        if ckpt is not None:
-            tensors, optim_state, state = ckpt
-            world.load_state_dict({k: v.to(device) for k, v in tensors.items()})
-            optimizer.load_state_dict(optim_state)
-            checkpoint.set_rng_state(state["rng"])
-            start_epoch, opt_steps = state["epoch"] + 1, state["opt_steps"]
-            if state["gains_ema"] is not None:
-                gains_ema = torch.tensor(state["gains_ema"], dtype=torch.float64)
-            log(f"resuming {out} after epoch {state['epoch']}")
-        history = checkpoint.read_metrics(out, start_epoch - 1)
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        checkpoint.write_json_atomic(os.path.join(out, "args.json"), asdict(args))
-        checkpoint.rewrite_metrics(out, history)
-
-    # --- fixed eval set: held-out prompts × eval_seeds, fixed noise; each rank scores a share ---
-    eval_prompts = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
-    eval_gen = torch.Generator().manual_seed(EVAL_SEED)
-    eval_noise = torch.randn(len(eval_prompts), *world.latent_shape, generator=eval_gen)
-    share = slice(
-        rank * len(eval_prompts) // world_size, (rank + 1) * len(eval_prompts) // world_size
-    )
-    ideal = world.ideal(eval_prompts[share])  # None where there is no ideal rendering
-
-    def run_eval(which: str = "policy"):
-        means, images = evaluate(
-            world, scorers, eval_prompts[share], eval_noise[share], sigmas, args.batch_size, which
-        )
-        return {k: mean_all(v.to(device)) for k, v in means.items()}, images
-
-    if ideal is not None:
-        ideal_eval = {
-            k: mean_all(v.to(device))
-            for k, v in (
-                (k, rewards.score(k, fn, ideal, eval_prompts[share])) for k, fn in scorers.items()
-            )
-        }
-    base_images = None
-    if history:
-        base_eval = {k[5:]: v for k, v in history[0].items() if k.startswith("eval/")}
-    else:  # epoch 0: the base model, before any training
-        base_eval, base_images = run_eval("ref")
-        history.append({"epoch": 0, **{f"eval/{k}": v for k, v in base_eval.items()}})
-        if ideal is not None:
-            history[0].update({f"ideal/{k}": v for k, v in ideal_eval.items()})
-        if rank == 0:
-            checkpoint.append_metrics(out, history[0])
-        log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in base_eval.items()))
-
-    # SIGINT finishes the epoch, checkpoints and exits; a second SIGINT aborts at once.
-    stop = []
-
-    def on_sigint(signum, frame):
-        if stop:
-            raise KeyboardInterrupt
-        stop.append(signum)
-        log("\ninterrupt: finishing this epoch, then saving (Ctrl-C again: abort, lose the epoch)")
-
-    signal.signal(signal.SIGINT, on_sigint)
-    P_local = args.prompts // world_size  # this rank's prompt groups
-    bar = dict(leave=False, disable=rank > 0)
-    for epoch in range(start_epoch, args.epochs + 1):
-        metrics, tic = {"epoch": epoch}, time.perf_counter()
-        # ---- 1. rollout: P prompts × G images with the old policy (DESIGN §2) ----
-        g_prompts, g_noise, g_train = (epoch_generator(args.seed, epoch, k) for k in range(3))
-        idx = torch.randint(len(world.train_prompts), (args.prompts,), generator=g_prompts)
-        prompts = [world.train_prompts[i] for i in idx]  # every rank's, rank-major
-        noise = torch.randn(args.prompts * G, *world.latent_shape, generator=g_noise)
-        my_prompts = prompts[rank * P_local : (rank + 1) * P_local]
-        my_noise = noise[rank * P_local * G : (rank + 1) * P_local * G].to(device)
-        my_cond = world.encode(my_prompts)  # per prompt: image n belongs to prompt n // G
-        x0, preds = [], []
-        for s in tqdm(range(0, P_local * G, args.batch_size), f"epoch {epoch} rollout", **bar):
-            n = torch.arange(s, min(s + args.batch_size, P_local * G), device=device)
-            old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
-            x, pred = sample(old, my_noise[n], tuple(c[n // G] for c in my_cond), sigmas)
-            x0.append(x)
-            preds.append(pred)
-        x0, preds = torch.cat(x0), torch.cat(preds, 1)  # (n, C, H, W), (T, n, C, H, W)
-        metrics["time/rollout"] = time.perf_counter() - tic
-
-        # ---- 2. rewards → optimality r per reward and group (DESIGN §3) ----
-        tic = time.perf_counter()
-        per_image = [p for p in my_prompts for _ in range(G)]
-        final = score_all(reward_fns, world.decode(x0), per_image)  # (K, n)
-        metrics["time/score"] = time.perf_counter() - tic
-        tic = time.perf_counter()  # ReCAST's own cost from here to the end of phase 3
-        score_steps = (epoch - 1) % args.gain_every == 0
-        if score_steps:  # reward k on every step prediction of the first gain_frac of the groups
-            m = max(1, round(args.gain_frac * P_local)) * G
-            steps = [score_all(reward_fns, world.decode(p[:m]), per_image[:m]) for p in preds[1:]]
-            steps.insert(0, torch.zeros_like(steps[0]))  # unread: D_k,0 := 0 (DESIGN §4)
-            step_scores = gather(torch.stack([*steps, final[:, :m]], 1))  # (K, T+1, N_sub)
-        final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group: (K, N)
-        if args.weighting == "sum":  # DiffusionNFT's rule: one reward Σ_k λ_k s_k, W = 1/T
-            r = group_optimality((lam.to(final) @ final)[None], G, args.adv_clip_max)  # (1, N)
-        else:
-            r = group_optimality(final, G, args.adv_clip_max)  # (K, N) in [0, 1]
-        metrics.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
-        metrics["groups/constant"] = int((final.view(K, -1, G).std(2) == 0).sum())
-
-        # ---- 3. gains (DESIGN §4), their EMA across epochs, and W (DESIGN §5) ----
-        if score_steps:
-            D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)  # (K,T+1), (K,T)
-            gains = gains.double().cpu()
-            ema = args.gain_ema if gains_ema is not None else 0.0
-            gains_ema = gains if gains_ema is None else ema * gains_ema + (1 - ema) * gains
-            metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
-        if args.weighting == "recast":
-            W = recast_weights(gains_ema, lam, args.tau, args.floor)
-        else:
-            W = (lam[:, None] / T).expand(K, T).float()
-        W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
-        metrics["W"] = W.tolist()
-        metrics["time/recast"] = time.perf_counter() - tic  # step scores, gains, Sinkhorn
-
-        # ---- 4. NFT update at every (image, timestep) pair, each with its own r̄ (DESIGN §6) ----
-        tic = time.perf_counter()
-        N, losses = x0.shape[0], []
-        cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
-        pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
-        pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
-        micro = list(range(0, len(pairs), args.batch_size))
-        for j, s in enumerate(tqdm(micro, f"epoch {epoch} update", **bar)):
-            batch = pairs[s : s + args.batch_size]
-            step_start = j - j % args.grad_accum  # the micro-batches of this optimizer step
-            step_end = min(step_start + args.grad_accum, len(micro))
-            step_pairs = min(len(pairs), micro[step_end - 1] + args.batch_size) - micro[step_start]
-            eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
-            mine = slice(rank * len(batch) // world_size, (rank + 1) * len(batch) // world_size)
-            n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
-            t, eps = sigmas[i], eps[mine].to(device)
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
-            c = tuple(cc[n // G] for cc in cond)
-            v_theta = world.v("policy", x_t, c, t)
-            with torch.no_grad():
-                v_old = world.v("old", x_t, c, t)
-                v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-            loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W_train.to(device),
-                            args.beta, args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
-            if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
-                raise FloatingPointError(
-                    f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
-                    f"weights not saved, the last good checkpoint in {out}/ckpt is kept"
-                )
-            (loss * len(batch) / step_pairs).backward()  # the step's gradient: mean over its pairs
-            losses.append(loss.detach())
-            if j + 1 == step_end:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                opt_steps += 1
-        metrics["loss"] = gather(torch.stack(losses).mean()[None]).mean().item()
-        metrics["time/update"] = time.perf_counter() - tic
-
-        # ---- 5. old policy ← EMA of the trained weights (DESIGN §6) ----
-        metrics["decay"] = decay = min(args.decay_rate * opt_steps, args.decay_cap)
-        world.update_old(decay)
-        if distributed:  # every rank holds the same W, θ and θ_old, bit for bit
-            held = {"W": W, **world.state_dict()}
-            metrics["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
-
-        # ---- 6. eval, log, pictures, checkpoint ----
-        last = epoch == args.epochs or bool(stop)
-        if epoch % args.eval_every == 0 or last:
-            tic = time.perf_counter()
-            ev, latest_images = run_eval()
-            metrics.update({f"eval/{k}": v for k, v in ev.items()})
-            if ideal is not None:  # fraction of the base → ideal-rendering gap closed
-                span = {k: ideal_eval[k] - base_eval[k] for k in ev}  # 0: nothing left to close
-                gap = {k: (ev[k] - base_eval[k]) / span[k] if span[k] else 0.0 for k in ev}
-                metrics.update({f"gap/{k}": v for k, v in gap.items()})
-                metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
-            metrics["time/eval"] = time.perf_counter() - tic
-            if rank == 0:
-                if base_images is None:  # resumed: redraw, unscored, as no other rank is here
-                    _, base_images = evaluate(world, {}, eval_prompts[share], eval_noise[share],
-                                              sigmas, args.batch_size, "ref")  # fmt: skip
-                save_samples(
-                    out, base_images, latest_images, ideal, world.eval_prompts, epoch, args
-                )
-        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-        if bad:
-            raise FloatingPointError(f"{bad[0]} is {metrics[bad[0]]} at epoch {epoch}; "
-                                     f"the last good checkpoint in {out}/ckpt is kept")  # fmt: skip
-        history.append(metrics)
-        if rank == 0:
-            checkpoint.append_metrics(out, metrics)
-            plots.save_weights_figure(
-                os.path.join(out, "W.png"), W, gain_profiles(gains_ema, args.floor), lam, names,
-                sigmas.cpu(), f"epoch {epoch}  ·  --weighting {args.weighting}",
-            )  # fmt: skip
-            if epoch % args.ckpt_every == 0 or last:
-                gains_list = gains_ema.tolist() if gains_ema is not None else None
-                state = {"opt_steps": opt_steps, "gains_ema": gains_list}
-                checkpoint.save(out, epoch, world.state_dict(), optimizer.state_dict(), state)
-        log(log_line(metrics, names, W))
-        if stop:
-            log(f"stopped after epoch {epoch}; continue: python recast.py --out {out} --resume")
-            break
-    if rank == 0 and not stop:
-        evals = [m for m in history if "eval/" + names[0] in m]
-        summary = {"epochs": args.epochs, "base": base_eval}
-        for key in ("eval", "gap"):
-            summary["final" if key == "eval" else key] = {
-                k.split("/", 1)[1]: v for k, v in evals[-1].items() if k.startswith(key + "/")
-            }
-        checkpoint.write_json_atomic(os.path.join(out, "summary.json"), summary)
-        log(f"done: {out}/summary.json")
-    if distributed:
-        dist.destroy_process_group()
-    if stop:
-        sys.exit(130)
-
-
-def save_samples(out, base_images, latest_images, ideal, eval_prompts, epoch, args) -> None:
-    """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
-    held = len(latest_images) // args.eval_seeds  # held-out prompts in this rank's share
-    rows = min(8, held)  # evenly spaced through the sorted list: several colours, shapes, places
-    pick = [round(j * (held - 1) / max(1, rows - 1)) for j in range(rows)]
-    seeds = [p * args.eval_seeds + s for p in pick for s in range(args.eval_seeds)]
-    panels = {"base model": base_images[seeds], f"epoch {epoch}": latest_images[seeds]}
-    if ideal is not None:
-        panels["ideal"] = ideal[[p * args.eval_seeds for p in pick]]
-    plots.save_samples_figure(
-        os.path.join(out, "samples.png"), panels, [eval_prompts[p] for p in pick]
-    )
-
-
-def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
-    """The one fixed-format line per epoch."""
-    parts = [
-        f"epoch {m['epoch']:3d}",
-        " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
-    ]
-    parts.append(f"loss {m['loss']:.4f}")
-    parts.append("centroid(W) " + " ".join(f"{c:.1f}" for c in centroid(W.double()).tolist()))
-    if "gap/weighted" in m:
-        parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
-    parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
-    return " | ".join(parts)
 
 
 if __name__ == "__main__":

@@ -249,7 +249,7 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
     ideal = {n: fn(tw.render(prompts), prompts).mean().item() for n, fn in scorers.items()}
     base = {n: v.mean().item() for n, v in base.items()}
     headroom = {"position": 0.5, "color": 0.05, "sharpness": 0.1, "background": 0.01}
-    for n, least in headroom.items():  # in each reward's units; chance is in the README table
+    for n, least in headroom.items():  # in each reward's units; chance: docs/toy_world.md
         assert ideal[n] - base[n] > least, (n, base[n], ideal[n])
     assert base["position"] > -4.0 and base["color"] > -0.5  # a random prompt: -6.9 and -0.7
     assert 0.35 < base["iou"] < 0.9  # a random prompt's rendering scores ~0.23

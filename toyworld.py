@@ -9,7 +9,7 @@ flow matching (DESIGN.md §1) on pictures of the world that carry four defects, 
 its weights ship in `toy_model/` and this file retrains them:
 
     python toyworld.py train                 # ~30 min on a 2-core CPU, deterministic given --seed
-    python benchmarks/base_model.py          # its figures and pictures for the README (docs/)
+    python benchmarks/base_model.py          # its figures and pictures (docs/toy_world.md)
 """
 
 import argparse

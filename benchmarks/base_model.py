@@ -1,6 +1,6 @@
-"""The shipped toy base model's figures for the README: held-out scores of the ideal rendering, the
-world's pictures, the base model and chance; a sample grid; the gain profiles of the four rewards
-(DESIGN §4) with their centroids, and each reward's spread within a group of 8 samples.
+"""The shipped toy base model's figures for docs/toy_world.md: held-out scores of the ideal
+rendering, the world's pictures, the base model and chance; a sample grid; the gain profiles of the
+four rewards (DESIGN §4) with their centroids, and each reward's spread within a group of 8 samples.
 
     python benchmarks/base_model.py             # → docs/base_samples.png, docs/base_profiles.png
 """
@@ -51,7 +51,7 @@ def base_profiles(
 
 
 def report(out_dir: str) -> None:
-    """Figures of the shipped base model for the README: eval table, sample grid, gain profiles."""
+    """Figures of the shipped base model (docs/toy_world.md): eval table, samples, gain profiles."""
     os.makedirs(out_dir, exist_ok=True)
     world = tw.ToyWorld(torch.device("cpu"))
     seeds = 4
