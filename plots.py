@@ -7,6 +7,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 
+def centroid(weights: torch.Tensor) -> torch.Tensor:
+    """Σ_i i·w_i / Σ_i w_i per row: where along the T steps a reward's weight sits."""
+    i = torch.arange(weights.shape[-1], dtype=weights.dtype)
+    return (weights * i).sum(-1) / weights.sum(-1)
+
+
 def grid(images: torch.Tensor, cols: int) -> torch.Tensor:
     """(B, 3, H, W) in [-1, 1] → one (rows·(H+1), cols·(W+1), 3) image in [0, 1], 1-px gutters."""
     B, C, H, W = images.shape
@@ -47,10 +53,8 @@ def save_weights_figure(path: str, W, profiles, lam, names, sigmas, title: str) 
     ax.set_title("W·T  (rows sum to λ·T, columns to 1)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
     for k, n in enumerate(names):
-        centroid = float((profiles[k] * torch.arange(T)).sum())
-        bx.plot(
-            range(T), profiles[k].numpy(), marker="o", ms=3, label=f"{n} (centroid {centroid:.1f})"
-        )
+        c = float(centroid(profiles[k]))
+        bx.plot(range(T), profiles[k].numpy(), marker="o", ms=3, label=f"{n} (centroid {c:.1f})")
     bx.set_xlabel("training timestep i  (0 = pure noise)")
     bx.set_ylabel("gain profile p_k,i")
     bx.set_title("where each reward is informative", fontsize=9)

@@ -41,8 +41,10 @@ import checkpoint
 import cli
 import plots
 import rewards
+import toyworld
 from kernels.nft_loss import nft_loss
 from kernels.renyi import group_optimality, renyi_gains
+from plots import centroid
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Args:
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
-    rewards: str = "position,color,sharpness,background"
+    rewards: str = ",".join(toyworld.ToyWorld.reward_names)
     """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
     model: str = "toy"
     """'toy' (the tiny model shipped in toy_model/) or an SD3/SD3.5 folder or hub id"""
@@ -230,12 +232,6 @@ def recast_weights(
     W = torch.zeros(K, T, dtype=torch.float64)
     W[live] = (log_m + u[:, None] + v).exp()
     return W.float()
-
-
-def centroid(weights: torch.Tensor) -> torch.Tensor:
-    """Σ_i i·w_i / Σ_i w_i per row: where along the T steps a reward's weight sits."""
-    i = torch.arange(weights.shape[-1], dtype=weights.dtype)
-    return (weights * i).sum(-1) / weights.sum(-1)
 
 
 def weights(run: "Run", step_scores, gains_ema, metrics: dict):
@@ -530,8 +526,6 @@ def is_toy_model(path: str) -> bool:
 def load_world(args: Args, device: torch.device):
     """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
     if args.model == "toy" or is_toy_model(args.model):
-        import toyworld
-
         return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
     import sd3world
 

@@ -392,7 +392,7 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     assert sorted(os.listdir(out / "ckpt")) == ["epoch_0001", "epoch_0002"]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [0, 1, 2]
-    names = ["position", "color", "sharpness", "background"]
+    names = list(tw.ToyWorld.reward_names)
     for m in lines[1:]:
         for key in [
             "loss",

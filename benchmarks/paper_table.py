@@ -32,6 +32,10 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.summarize import mean_std  # noqa: E402
+from toyworld import ToyWorld  # noqa: E402
+
 BUDGETS = [
     "0.4,0.2,0.2,0.2",
     "0.2,0.4,0.2,0.2",
@@ -40,8 +44,8 @@ BUDGETS = [
     "0.25,0.25,0.25,0.25",
 ]
 WEIGHTINGS = ["recast", "uniform", "sum"]
-REWARDS = ["position", "color", "sharpness", "background"]
-JUDGES = ["shape", "iou"]
+REWARDS = list(ToyWorld.reward_names)
+JUDGES = list(ToyWorld.judge_names)
 
 
 def run_one(
@@ -68,10 +72,6 @@ def metrics(run: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
-
-
 def verdict(a: list[float], b: list[float]) -> str:
     """win / tie / loss of a against b: a difference of means beyond twice its standard error."""
     diff = statistics.fmean(a) - statistics.fmean(b)
@@ -93,7 +93,6 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="runs at once (one core each)")
     args = ap.parse_args()
     if args.epochs is None:
-        sys.path.insert(0, ROOT)
         from recast import Args
 
         args.epochs = Args.epochs

@@ -10,10 +10,17 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plots import centroid  # noqa: E402
 
-def mean_std(xs: list[float]) -> str:
-    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.fmean(xs):+.3f} ± {sd:.3f}"
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one number)."""
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def fmt(xs: list[float]) -> str:
+    return "{:+.3f} ± {:.3f}".format(*mean_std(xs))
 
 
 def main(runs: list[str]) -> None:
@@ -27,17 +34,17 @@ def main(runs: list[str]) -> None:
     print("| | base model | final | fraction of the gap to the ideal closed | ideal rendering |")
     print("|---|---|---|---|---|")
     for n in names:
-        final = mean_std([m[f"eval/{n}"] for m in finals])
-        gap = mean_std([m[f"gap/{n}"] for m in finals])
+        final = fmt([m[f"eval/{n}"] for m in finals])
+        gap = fmt([m[f"gap/{n}"] for m in finals])
         print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {gap} | {base[f'ideal/{n}']:+.3f} |")
-    print(f"| **λ-weighted** | | | **{mean_std([m['gap/weighted'] for m in finals])}** | |")
+    print(f"| **λ-weighted** | | | **{fmt([m['gap/weighted'] for m in finals])}** | |")
     # W: its marginals, and where each reward's weight sits (centroid over timesteps)
     Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
     lam = Ws[0].sum(1)
     err = max(
         max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
     )
-    cents = torch.stack([(W * torch.arange(W.shape[1])).sum(1) / W.sum(1) for W in Ws])  # (E, K)
+    cents = torch.stack([centroid(W) for W in Ws])  # (E, K)
     with open(os.path.join(runs[0], "args.json")) as f:
         rewards = json.load(f)["rewards"].split(",")
     print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
