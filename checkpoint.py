@@ -1,4 +1,5 @@
-"""Run-folder bookkeeping for recast.py: atomic checkpoints, metrics.jsonl, args.json.
+"""Run plumbing for recast.py: atomic checkpoints, metrics.jsonl, args.json, start or resume,
+SIGINT, the summary, and the torchrun ranks (process group, gathers, the bit-identity check).
 
 A checkpoint is a folder `ckpt/epoch_XXXX/` holding `model.safetensors` (trained and old policy),
 `optim.pt` (optimizer), and `state.json` (epoch, gain EMA, step count, RNG states, and the SHA-256
@@ -18,6 +19,7 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 KEEP = 2
@@ -216,3 +218,61 @@ def write_summary(args, history: list[dict], base: dict, names: list[str], log=p
         }
     write_json_atomic(os.path.join(args.out, "summary.json"), summary)
     log(f"done: {args.out}/summary.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: torchrun ranks (identity on one process) and per-epoch generators
+# ---------------------------------------------------------------------------------------------
+def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
+    """(rank, device), the process group started under torchrun; seeds set per rank."""
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    return rank, device
+
+
+def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate a tensor across ranks along `dim` (rank order); every rank gets the result."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def mean_all(x: torch.Tensor) -> float:
+    """Mean of x's elements over every rank; ranks may hold different numbers (eval shares)."""
+    total = torch.stack([x.double().sum(), x.new_tensor(x.numel(), dtype=torch.float64)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def same_on_all_ranks(tensors: dict[str, torch.Tensor], when: str) -> str:
+    """SHA-256 of the tensors' bytes, key by key; a RuntimeError unless every rank's is the same.
+    DDP averages gradients whatever each rank holds, so a rank that drifted (its own W, weights
+    initialised from its own seed) would train on silently: this is what catches it."""
+    digest = hashlib.sha256()
+    for k in sorted(tensors):
+        digest.update(k.encode())
+        digest.update(tensors[k].detach().cpu().contiguous().flatten().view(torch.uint8).numpy())
+    mine, digests = digest.hexdigest(), [None] * dist.get_world_size()
+    dist.all_gather_object(digests, mine)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"ranks {differ} hold another W or other weights than rank 0 {when}")
+    return mine
+
+
+def epoch_generator(seed: int, epoch: int, purpose: int) -> torch.Generator:
+    """Every random draw of an epoch comes from generators seeded by (seed, epoch, purpose): the
+    same on every rank and after a resume, which is what makes resume exact."""
+    return torch.Generator().manual_seed(((seed * 100_003 + epoch) * 7 + purpose) % 2**63)

@@ -23,16 +23,13 @@ Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion R
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).
 """
 
-import hashlib
 import math
 import os
-import random
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -42,6 +39,7 @@ import cli
 import plots
 import rewards
 import toyworld
+from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
 from kernels.renyi import group_optimality, renyi_gains
 from plots import centroid
@@ -580,64 +578,6 @@ def setup(argv: list[str] | None) -> Run:
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
                optimizer, log, bar)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Distributed helpers (identity on one process)
-# ---------------------------------------------------------------------------------------------
-def init_processes(args: Args, distributed: bool) -> tuple[int, torch.device]:
-    """(rank, device), the process group started under torchrun; seeds set per rank."""
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
-    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and distributed:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    return rank, device
-
-
-def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate a tensor across ranks along `dim` (rank order); every rank gets the result."""
-    if not dist.is_initialized():
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim)
-
-
-def mean_all(x: torch.Tensor) -> float:
-    """Mean of x's elements over every rank; ranks may hold different numbers (eval shares)."""
-    total = torch.stack([x.double().sum(), x.new_tensor(x.numel(), dtype=torch.float64)])
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return (total[0] / total[1]).item()
-
-
-def same_on_all_ranks(tensors: dict[str, torch.Tensor], when: str) -> str:
-    """SHA-256 of the tensors' bytes, key by key; a RuntimeError unless every rank's is the same.
-    DDP averages gradients whatever each rank holds, so a rank that drifted (its own W, weights
-    initialised from its own seed) would train on silently: this is what catches it."""
-    digest = hashlib.sha256()
-    for k in sorted(tensors):
-        digest.update(k.encode())
-        digest.update(tensors[k].detach().cpu().contiguous().flatten().view(torch.uint8).numpy())
-    mine, digests = digest.hexdigest(), [None] * dist.get_world_size()
-    dist.all_gather_object(digests, mine)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise RuntimeError(f"ranks {differ} hold another W or other weights than rank 0 {when}")
-    return mine
-
-
-def epoch_generator(seed: int, epoch: int, purpose: int) -> torch.Generator:
-    """Every random draw of an epoch comes from generators seeded by (seed, epoch, purpose): the
-    same on every rank and after a resume, which is what makes resume exact."""
-    return torch.Generator().manual_seed(((seed * 100_003 + epoch) * 7 + purpose) % 2**63)
 
 
 if __name__ == "__main__":

@@ -991,12 +991,12 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
 def _desync_worker(rank: int, init_file: str, differ: bool, results):
     import torch.distributed as dist
 
-    import recast
+    import checkpoint
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     held = {"W": torch.full((2, 3), 0.5), "w": torch.arange(4.0) + (rank if differ else 0)}
     try:
-        results.put((rank, recast.same_on_all_ranks(held, "in this test")))
+        results.put((rank, checkpoint.same_on_all_ranks(held, "in this test")))
     except RuntimeError as e:
         results.put((rank, str(e)))
     dist.destroy_process_group()
