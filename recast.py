@@ -188,14 +188,19 @@ def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
     return group_optimality(final, G, A)
 
 
+def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.Tensor:
+    """(K, T+1, n): reward k on each step prediction x̂0_i and (column T) the final scores. The
+    step-0 column is left 0, unscored: a prediction from pure noise is never read (D_k,0 := 0)."""
+    steps = [score_all(reward_fns, decode(p), prompts) for p in preds[1:]]
+    return torch.stack([torch.zeros_like(steps[0]), *steps, final], 1)
+
+
 def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
-    """(K, T+1, N_sub): reward k on the step predictions of the first --gain-frac of the groups
-    (the step-0 column is never read: D_k,0 := 0) and on their final images, every rank's."""
+    """trajectory_scores of the first --gain-frac of the groups, every rank's."""
     G, P_local = run.args.group_size, run.args.prompts // run.world_size
     m = max(1, round(run.args.gain_frac * P_local)) * G
-    decode = run.world.decode
-    steps = [score_all(run.reward_fns, decode(p[:m]), per_image[:m]) for p in preds[1:]]
-    return gather(torch.stack([torch.zeros_like(steps[0]), *steps, final[:, :m]], 1))
+    return gather(trajectory_scores(run.reward_fns, run.world.decode, preds[:, :m], final[:, :m],
+                                    per_image[:m]))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +244,9 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
     if step_scores is not None:
         D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
         gains = gains.double().cpu()  # D (K, T+1), gains (K, T)
-        ema = args.gain_ema if gains_ema is not None else 0.0
-        gains_ema = gains if gains_ema is None else ema * gains_ema + (1 - ema) * gains
+        gains_ema = (
+            gains if gains_ema is None else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
+        )
         metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
     if args.weighting == "recast":
         return recast_weights(gains_ema, run.lam, args.tau, args.floor), gains_ema
@@ -257,24 +263,20 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
     in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
     args, world, T, G = run.args, run.world, run.args.steps, run.args.group_size
     W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
-    W_train, g_train, device = (
-        W_train.to(world.device),
-        epoch_generator(args.seed, epoch, 2),
-        x0.device,
-    )
+    W_train, device = W_train.to(world.device), world.device
+    g_train = epoch_generator(args.seed, epoch, 2)
     N, losses = x0.shape[0], []
     cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
     pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
     pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
-    micro = list(range(0, len(pairs), args.batch_size))
-    for j, s in enumerate(tqdm(micro, f"epoch {epoch} update", **run.bar)):
+    per_step = args.batch_size * args.grad_accum  # pairs per optimizer step
+    for s in tqdm(range(0, len(pairs), args.batch_size), f"epoch {epoch} update", **run.bar):
         batch = pairs[s : s + args.batch_size]
-        step_start = j - j % args.grad_accum  # the micro-batches of this optimizer step
-        step_end = min(step_start + args.grad_accum, len(micro))
-        step_pairs = min(len(pairs), micro[step_end - 1] + args.batch_size) - micro[step_start]
+        step_end = min(s - s % per_step + per_step, len(pairs))  # this optimizer step's end
+        step_pairs = step_end - (s - s % per_step)
         eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
-        rank, ws = run.rank, run.world_size
-        mine = slice(rank * len(batch) // ws, (rank + 1) * len(batch) // ws)
+        mine = slice(run.rank * len(batch) // run.world_size,
+                     (run.rank + 1) * len(batch) // run.world_size)  # fmt: skip
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
         t, eps = run.sigmas[i], eps[mine].to(device)
         x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
@@ -292,7 +294,7 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
             )
         (loss * len(batch) / step_pairs).backward()  # the step's gradient: mean over its pairs
         losses.append(loss.detach())
-        if j + 1 == step_end:
+        if s + len(batch) == step_end:  # the step's last micro-batch
             torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -430,8 +432,14 @@ class Run:
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
     params: list
     optimizer: torch.optim.Optimizer
-    log: object
-    bar: dict
+
+    def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
+        if self.rank == 0:
+            print(*a, **k)
+
+    @property
+    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
+        return dict(leave=False, disable=self.rank > 0)
 
 
 @contextmanager
@@ -569,15 +577,12 @@ def setup(argv: list[str] | None) -> Run:
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    optimizer.zero_grad(set_to_none=True)
     args.out = args.out or os.path.join(
         "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{args.weighting}-s{args.seed}"
     )
-    log = print if rank == 0 else (lambda *a, **k: None)
-    bar = dict(leave=False, disable=rank > 0)
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
-               optimizer, log, bar)  # fmt: skip
+               optimizer)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -128,8 +128,8 @@ def render(
     centre = torch.tensor([POSITIONS[p] for _, _, p in words])  # (B, 2) x, y
     scale, sigma, n_specks = torch.ones(B), torch.zeros(B), torch.zeros(B, dtype=torch.long)
     if gen is not None:
-        has = torch.rand(B, 4, generator=gen) >= CLEAN  # (B, defect)
-        has = has if defects is None else defects.bool()
+        has = torch.rand(B, 4, generator=gen) >= CLEAN  # (B, defect); drawn even when `defects`
+        has = has if defects is None else defects.bool()  # is given: the same draws follow
         scale = 1 + SIZE_JITTER * (2 * torch.rand(B, generator=gen) - 1)
         radius, angle = _uniform(*OFFSET, B, gen), _uniform(0, 2 * math.pi, B, gen)
         centre = centre + has[:, :1] * radius[:, None] * torch.stack([angle.cos(), angle.sin()], 1)

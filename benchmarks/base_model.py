@@ -34,7 +34,7 @@ def base_profiles(
     floor: float = 0.1,
 ):
     """DESIGN §4 on base-model samples, G images per prompt: (names, D, gains, profiles, scores),
-    scores (K, T+1, N) of every step prediction and of the final images."""
+    scores (K, T+1, N) as recast.trajectory_scores gives them."""
     gen = torch.Generator().manual_seed(seed)
     names = list(world.reward_names)
     fns = {n: rewards.get(n, world.device) for n in names}
@@ -43,9 +43,8 @@ def base_profiles(
     x0, preds = recast.sample(
         lambda x, c, t: world.v("ref", x, c, t), noise, world.encode(per_image), world.sigmas(steps)
     )
-    scores = torch.stack(
-        [recast.score_all(fns, im, per_image) for im in [*preds, x0]], 1
-    )  # (K, T+1, N)
+    final = recast.score_all(fns, x0, per_image)
+    scores = recast.trajectory_scores(fns, world.decode, preds, final, per_image)
     D, gains = renyi_gains(scores, group_size, alpha)
     return names, D, gains, recast.gain_profiles(gains, floor), scores
 
