@@ -52,11 +52,11 @@ def offline_env(**extra) -> dict:
 class Steps:
     """Runs commands within the overall time budget and records what they did."""
 
-    def __init__(self, out: Path):
-        self.out, self.start, self.rows = out, time.monotonic(), []
+    def __init__(self, out: Path, budget: float = BUDGET_S):
+        self.out, self.start, self.rows, self.budget = out, time.monotonic(), [], budget
 
     def left(self) -> float:
-        return BUDGET_S - (time.monotonic() - self.start)
+        return self.budget - (time.monotonic() - self.start)
 
     def run(self, name, command, limit, env=None) -> tuple[bool, str]:
         log = self.out / f"{name}.log"
@@ -198,6 +198,7 @@ def write_report(out: Path, steps: Steps, extra: dict[str, str]) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check_out", help="folder for the report and logs")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the steps")
     ap.add_argument("--no-sync-step", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.no_sync_step:
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    steps = Steps(out)
+    steps = Steps(out, args.budget)
     py = sys.executable
     extra = {}
     smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
