@@ -189,7 +189,16 @@ def test_nft_loss_non_contiguous_inputs(shift):
     (grad,) = torch.autograd.grad(loss, v_theta)
     contiguous = {k: v.contiguous() for k, v in inputs.items()}
     loss_ref, grad_ref = loss_and_grad(nft.nft_loss, contiguous, **kwargs)
-    assert torch.equal(loss.detach(), loss_ref) and torch.equal(grad, grad_ref)
+    if DEVICE.type == "cuda":
+        # Triton specialises a compiled kernel on pointer alignment and stride divisibility, so
+        # another layout is another kernel: rounding may differ (16 fp32 ulp of the loss, and one
+        # bf16 ulp of the largest gradient entry where its rounding flips).
+        scale = grad_ref.abs().max().item()
+        bf16_eps = torch.finfo(torch.bfloat16).eps
+        assert (loss.detach() - loss_ref).abs().item() <= 16 * EPS32 * loss_ref.abs().item()
+        assert (grad - grad_ref).abs().max().item() <= (16 * EPS32 + bf16_eps) * scale
+    else:  # the interpreter runs the same arithmetic whatever the layout
+        assert torch.equal(loss.detach(), loss_ref) and torch.equal(grad, grad_ref)
     for k, v in inputs.items():
         assert torch.equal(v, before[k]) or k == "v_theta", f"{k} was written to"
 
