@@ -90,8 +90,9 @@ def peak_extra_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def host_syncs(fn) -> int:
-    """Host-device synchronisations in one call of fn (torch.cuda.set_sync_debug_mode)."""
+def host_syncs(fn, label: str = "") -> int:
+    """Host-device synchronisations in one call of fn (torch.cuda.set_sync_debug_mode); each one
+    is printed with the line that caused it."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -100,7 +101,11 @@ def host_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    # PyTorch's own one-time notice that the mode is a prototype is not a sync.
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
+    for w in syncs:
+        print(f"host sync in {label}: {str(w.message)[:200]} ({w.filename}:{w.lineno})")
+    return len(syncs)
 
 
 def kernel_only(fn, iters: int = 20) -> tuple[float, float]:
@@ -194,7 +199,7 @@ def nft_tables(device, name) -> list[dict]:
                 return forward_backward(fn, inputs)
 
             rows[impl] = timed(run)
-            rows[impl]["syncs"] = host_syncs(run)
+            rows[impl]["syncs"] = host_syncs(run, f"{impl}, {label}")
             rows[impl]["peak_mib"] = peak_extra_mib(run)
         src = torch.empty(must_move // 2, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
@@ -269,7 +274,7 @@ def renyi_tables(device, name) -> list[dict]:
                         return renyi_module.reference_renyi_gains(s, g)
 
                     kernel, eager = timed(run_kernel), timed(run_eager)
-                    syncs = host_syncs(run_kernel)
+                    syncs = host_syncs(run_kernel, f"renyi_gains T={n_steps} N={n_target}")
                     row.update(kernel=kernel, eager=eager, syncs=syncs)
                     row["vs_eager"] = eager["ms"] / kernel["ms"]
                     print(
