@@ -13,10 +13,11 @@ step over m micro-batches is their mean; the cosine between two disjoint such st
 a step is signal (1: all signal; ≈ 0: noise). Printed for m = 1, 2, 5, half the epoch, with the
 mean over every disjoint pair of steps.
 
-`sweep`: the recipes in RECIPES below, each a recast.py run with --weighting uniform, one seed,
-two at a time with one thread each; a finished run is skipped, an interrupted one resumed. Prints
-the λ-weighted gap closed at each eval, per reward and judge at the end, and per minute of the
-run's own time (sum of its time/*: two runs share the 2 cores, so minutes compare across rows).
+`sweep`: the recipes in RECIPES below, each a recast.py run with --weighting uniform for each of
+--seeds (default 0), two at a time with one thread each; a finished run is skipped, an interrupted
+one resumed. Prints the λ-weighted gap closed at each eval, per reward and judge at the end, and per
+minute of the run's own time (sum of its time/*: two runs share the 2 cores, so minutes compare
+across rows); with several seeds, also each recipe's mean ± std over them.
 """
 
 import argparse
@@ -37,6 +38,7 @@ import recast  # noqa: E402
 import rewards  # noqa: E402
 from kernels.nft_loss import reference_nft_loss  # noqa: E402
 from kernels.renyi import group_optimality  # noqa: E402
+from summarize import fmt  # noqa: E402
 
 LAMBDA = "0.4,0.2,0.2,0.2"
 # name → (β, lr, --grad-accum, --train-frac, --kl-coef, epochs); other flags: recast.py's defaults
@@ -127,19 +129,31 @@ def run_one(out: str, recipe: tuple, seed: int) -> str:
     return out
 
 
+def metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def final_metrics(out: str) -> dict:
+    return [m for m in metrics(out) if "gap/weighted" in m][-1]
+
+
 def sweep(args) -> None:
     os.makedirs(args.out, exist_ok=True)
-    names = [n for n in RECIPES if not args.only or n in args.only.split(",")]
-    outs = {n: os.path.join(args.out, n) for n in names}
+    recipes = [n for n in RECIPES if not args.only or n in args.only.split(",")]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
+    outs = {name: os.path.join(args.out, name) for name in runs}
     with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(run_one, outs[n], RECIPES[n], args.seed) for n in names]:
+        jobs = [pool.submit(run_one, outs[name], RECIPES[n], s) for name, (n, s) in runs.items()]
+        for f in jobs:
             f.result()
-    print(f"--weighting uniform --lambda {LAMBDA} --seed {args.seed} --eval-every 2")
+    names = list(runs)
+    print(f"--weighting uniform --lambda {LAMBDA} --seed S (-sS) --eval-every 2")
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "
           "gap per minute |\n|---|---|---|---|---|")  # fmt: skip
     for n in names:
-        with open(os.path.join(outs[n], "metrics.jsonl")) as f:
-            ms = [json.loads(line) for line in f]
+        ms = metrics(outs[n])
         secs = sum(v for m in ms for k, v in m.items() if k.startswith("time/"))
         curve = " / ".join(f"{m['gap/weighted']:.3f}" for m in ms if "gap/weighted" in m)
         last = ms[-1]
@@ -147,6 +161,13 @@ def sweep(args) -> None:
                         if k.startswith("gap/") and k != "gap/weighted")  # fmt: skip
         gap = last["gap/weighted"]
         print(f"| {n} | {curve} | {per} | {secs / 60:.1f} | {gap / (secs / 60):.3f} |")
+    if len(seeds) > 1:
+        print(f"\nmean ± std over seeds {args.seeds}, at the end (gap closed; ≥ 0: not below base)")
+        print("| recipe | λ-weighted | shape | iou |\n|---|---|---|---|")
+        for n in recipes:
+            ends = [final_metrics(outs[name]) for name, (r, _) in runs.items() if r == n]
+            cells = [fmt([m[f"gap/{k}"] for m in ends]) for k in ("weighted", "shape", "iou")]
+            print(f"| {n} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
@@ -158,7 +179,7 @@ if __name__ == "__main__":
     sg.add_argument("--seed", type=int, default=0)
     sg.add_argument("--threads", type=int, default=1)
     sw = sub.add_parser("sweep", help="learning speed of the recipes (resumable)")
-    sw.add_argument("--seed", type=int, default=0)
+    sw.add_argument("--seeds", default="0", help="comma-separated seeds; folder NAME-sS for S ≠ 0")
     sw.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
     sw.add_argument("--out", default="sweeps/recipe")
     args = ap.parse_args()
