@@ -33,12 +33,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from summarize import fmt  # noqa: E402
+
 import cli  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from kernels.nft_loss import reference_nft_loss  # noqa: E402
 from kernels.renyi import group_optimality  # noqa: E402
-from summarize import fmt  # noqa: E402
 
 LAMBDA = "0.4,0.2,0.2,0.2"
 # name → (β, lr, --grad-accum, --train-frac, --kl-coef, epochs); other flags: recast.py's defaults
