@@ -58,6 +58,9 @@ class Args:
     """training prompts, one per line (needed with --model other than toy)"""
     eval_prompts_file: str = ""
     """held-out prompts, one per line (default for --model: the last 10%% of --prompts-file)"""
+    judges: str = ""
+    """held-out judges: reward names scored at eval, never trained on (default: the world's own,
+    shape,iou in the toy world, none for SD3)"""
     # --- ReCAST ---
     weighting: str = "recast"
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k)"""
@@ -128,10 +131,12 @@ class Args:
     """images per held-out prompt at eval"""
     ckpt_every: int = 1
     """epochs between checkpoints (and always the last)"""
+    log: str = "none"
+    """none | tensorboard: also log to OUT/tensorboard (needs pip install tensorboard)"""
 
 
 # Flags that may change on --resume; every other one defines the method and must match.
-RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every"}
+RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +437,7 @@ class Run:
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
     params: list
     optimizer: torch.optim.Optimizer
+    tensorboard: object = None  # checkpoint.TensorBoard on rank 0 with --log tensorboard
 
     def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
         if self.rank == 0:
@@ -455,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = checkpoint.start_or_resume(args, world, run.optimizer, run.rank, run.log)
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
     evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
+    if args.log == "tensorboard" and run.rank == 0:
+        run.tensorboard = checkpoint.TensorBoard(args.out)
+        run.tensorboard.epoch(history[0], args.out, pictures=False)
     stop = checkpoint.stop_on_sigint(run.log)  # SIGINT: finish the epoch, checkpoint, exit
     for epoch in range(start, args.epochs + 1):
         m = {"epoch": epoch}
@@ -490,6 +499,8 @@ def main(argv: list[str] | None = None) -> None:
             break
     if run.rank == 0 and not stop:
         checkpoint.write_summary(args, history, evals.base, names, run.log)
+    if run.tensorboard:
+        run.tensorboard.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     if stop:
@@ -512,6 +523,8 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
             os.path.join(args.out, "W.png"), W, gain_profiles(gains_ema, args.floor), run.lam,
             run.names, run.sigmas.cpu(), f"epoch {epoch}  ·  --weighting {args.weighting}",
         )  # fmt: skip
+        if run.tensorboard:
+            run.tensorboard.epoch(m, args.out)
         if epoch % args.ckpt_every == 0 or last:
             gains_list = gains_ema.tolist() if gains_ema is not None else None
             state = {"opt_steps": opt_steps, "gains_ema": gains_list}
@@ -542,7 +555,8 @@ def load_world(args: Args, device: torch.device):
 
 
 def setup(argv: list[str] | None) -> Run:
-    args = cli.parse(Args, argv, __doc__, {"weighting": ["recast", "uniform", "sum"]})
+    choices = {"weighting": ["recast", "uniform", "sum"], "log": ["none", "tensorboard"]}
+    args = cli.parse(Args, argv, __doc__, choices)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     cli.check(args, world_size, RESUMABLE)
@@ -553,13 +567,26 @@ def setup(argv: list[str] | None) -> Run:
         choices = ", ".join([*known, *rewards.PRESETS])
         cli.fail("--rewards", f"unknown reward {bad}; choose from {choices}")
     lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
+    judges = rewards.expand(args.judges)
+    if any(n not in [*known, *rewards.JUDGES] for n in judges):
+        bad = ", ".join(n for n in judges if n not in [*known, *rewards.JUDGES])
+        cli.fail("--judges", f"unknown reward {bad}; choose from "
+                 f"{', '.join([*known, *rewards.JUDGES, *rewards.PRESETS])}")  # fmt: skip
+    if set(judges) & set(names):
+        both = ", ".join(n for n in judges if n in names)
+        cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
+    if args.log == "tensorboard":
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
     if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
         cli.fail("--model", f"{args.model!r} is not 'toy', a folder, or a hub id 'org/name'")
     if args.model != "toy" and not is_toy_model(args.model):
         import sd3world
 
         try:
-            sd3world.check(args, names)  # --rewards, --prompts-file
+            sd3world.check(args, names, judges)  # --rewards, --judges, --prompts-file
         except sd3world.BadInput as e:
             cli.fail(e.flag, str(e))
     rank, device = init_processes(args, distributed)
@@ -569,9 +596,11 @@ def setup(argv: list[str] | None) -> Run:
                  f"{world_size} processes: hold out at least one per process")  # fmt: skip
     try:  # a reward model missing (file, package, hub access) is bad input too
         reward_fns = {n: rewards.get(n, device) for n in names}
-        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in world.judge_names}}
+        judges = judges or list(world.judge_names)
+        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in judges}}
     except (ImportError, OSError, ValueError) as e:
-        cli.fail("--rewards", f"could not load a reward model: {e}")
+        cli.fail("--rewards" if not judges else "--rewards/--judges",
+                 f"could not load a reward model: {e}")  # fmt: skip
     if distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import hub
 import toyworld as tw
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
@@ -214,8 +215,10 @@ def expand(text: str) -> list[str]:
     return [m for n in names for m in PRESETS.get(n, (n,))]
 
 
-def _where(variable: str, default: str) -> str:
-    return os.environ.get(variable) or default
+def _where(variable: str, default: str, needs: str = "config.json") -> str:
+    """The model named by environment variable `variable` (else `default`): a folder or hub id,
+    checked by hub.locate so that an unreachable one fails at once with its cause."""
+    return hub.locate(os.environ.get(variable) or default, variable, needs)
 
 
 @functools.cache
@@ -281,7 +284,11 @@ def pickscore(device: torch.device) -> RewardFn:
     on Pick-a-Pic preferences (≈ 20-23 for typical SD images)."""
     model, processor = _clip(
         _where("RECAST_PICKSCORE", "yuvalkirstain/PickScore_v1"),
-        _where("RECAST_PICKSCORE_PROCESSOR", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+        _where(
+            "RECAST_PICKSCORE_PROCESSOR",
+            "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
+            "preprocessor_config.json",
+        ),
         device,
     )
 
@@ -366,13 +373,16 @@ def hpsv2(device: torch.device) -> RewardFn:
     from huggingface_hub import hf_hub_download
     from PIL import Image
 
-    pretrained = _where("RECAST_HPSV2_CLIP", "laion2B-s32B-b79K")
+    pretrained = os.environ.get("RECAST_HPSV2_CLIP") or "laion2B-s32B-b79K"  # open_clip's tag
     model, _, preprocess = create_model_and_transforms(
         "ViT-H-14", pretrained, precision="fp32", device=device, output_dict=True
     )
-    checkpoint = os.environ.get("RECAST_HPSV2") or hf_hub_download(
-        "xswu/HPSv2", "HPS_v2.1_compressed.pt"
-    )
+    checkpoint = os.environ.get("RECAST_HPSV2")
+    if not checkpoint:
+        name = "HPS_v2.1_compressed.pt"
+        source = hub.locate("xswu/HPSv2", "RECAST_HPSV2", name)
+        checkpoint = os.path.join(source, name) if os.path.isdir(source) else None
+        checkpoint = checkpoint or hf_hub_download(source, name)
     state = torch.load(checkpoint, map_location=device, weights_only=True)["state_dict"]
     model.load_state_dict(state)
     model.eval().requires_grad_(False)

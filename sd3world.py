@@ -19,6 +19,7 @@ import os
 
 import torch
 
+import hub
 import rewards
 
 # DiffusionNFT's and Flow-GRPO's LoRA targets for SD3: the joint attention's image (to_*) and
@@ -56,16 +57,17 @@ class BadInput(ValueError):
         self.flag = flag
 
 
-def check(args, names: list[str]) -> None:
-    """The flags an SD3 run needs (`args`: recast.py's flags), checked before anything is loaded;
-    a BadInput naming the flag otherwise."""
-    toy = [n for n in names if n in rewards.TOY]
-    if toy:
-        raise BadInput(
-            "--rewards",
-            f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
-            f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(rewards.PRESETS)})",
-        )
+def check(args, names: list[str], judges: list[str] = ()) -> None:
+    """The flags an SD3 run needs (`args`: recast.py's flags; `names`, `judges`: the reward and
+    judge names), checked before anything is loaded; a BadInput naming the flag otherwise."""
+    for flag, given in (("--rewards", names), ("--judges", judges)):
+        toy = [n for n in given if n in rewards.TOY]
+        if toy:
+            raise BadInput(
+                flag,
+                f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
+                f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(rewards.PRESETS)})",
+            )
     if not args.prompts_file:
         raise BadInput(
             "--prompts-file", f"--model {args.model} needs training prompts, one per line"
@@ -100,10 +102,11 @@ class SD3World:
             args.prompts_file, args.eval_prompts_file
         )
         # components saved as null (e.g. T5 left out) must be passed as None explicitly
-        index = StableDiffusion3Pipeline.load_config(args.model)
+        source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
+        index = StableDiffusion3Pipeline.load_config(source)
         absent = {k: None for k, v in index.items() if v == [None, None]}
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        pipe = StableDiffusion3Pipeline.from_pretrained(args.model, torch_dtype=dtype, **absent)
+        pipe = StableDiffusion3Pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
         if pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ValueError(
                 "its scheduler shifts by resolution (use_dynamic_shifting): unsupported"

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -441,6 +442,9 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--train-frac", "1.5"], "--train-frac"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--log", "wandb"], "--log"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "beauty"], "--judges"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "shape,position"], "--judges"),  # trained on
 ]
 
 
@@ -457,6 +461,36 @@ def test_bad_input_exits_2_names_the_flag_and_writes_nothing(
     err = capsys.readouterr().err
     assert flag in err and len(err.strip().splitlines()) <= 3, err
     assert os.listdir(tmp_path) == []
+
+
+def test_log_tensorboard_without_the_package_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    err = recast_exit(capsys, "--lambda", "1,1,1,1", "--log", "tensorboard")
+    assert "error: --log" in err and "pip install tensorboard" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_judges_and_tensorboard_log(tmp_path):
+    """--judges replaces the world's judges (scored at eval, never trained on); --log tensorboard
+    holds every number of metrics.jsonl as a scalar at its epoch, and W and samples as images."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    flags = ["--rewards", "position,color", "--lambda", "0.5,0.5", "--judges", "sharpness,shape"]
+    run_recast(*flags, *TINY, "--log", "tensorboard", "--out", str(out))
+    lines = metrics_of(out)
+    assert "reward/sharpness" not in lines[1] and "reward/position" in lines[1]
+    for key in ("eval/sharpness", "gap/sharpness", "eval/shape", "eval/position"):
+        assert key in lines[-1], key
+    assert "eval/iou" not in lines[-1]
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
+    numbers = {(k, m["epoch"]) for m in lines for k, v in m.items()
+               if isinstance(v, int | float) and k != "epoch"}  # fmt: skip
+    logged = {(k, e.step) for k in events.Tags()["scalars"] for e in events.Scalars(k)}
+    assert numbers == logged
+    assert [e.step for e in events.Images("W")] == [1, 2]
+    assert [e.step for e in events.Images("samples")] == [2]
 
 
 def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
@@ -903,10 +937,52 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     elsewhere.mkdir()
     err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--model", str(elsewhere))
     assert "error: --model" in err
+    err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--judges", "shape")
+    assert "error: --judges" in err and "toy" in err
     monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
     err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file)
     assert "error: --rewards" in err and "RECAST_AESTHETIC_HEAD" in err
     assert not os.path.exists(out)
+
+
+def test_offline_hub_ids_fail_at_once_naming_the_cause(
+    sd3_dir, prompts_file, tmp_path, capsys, monkeypatch
+):
+    """No network and nothing cached: --model and reward models given as hub ids exit 2 saying so,
+    before any download is tried; a missing local folder is named as missing; a cached hub id
+    loads from its cached folder."""
+    import hub
+
+    probe = hub._probe
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "_probe", lambda endpoint: pytest.fail("probed with HF_HUB_OFFLINE"))
+    out = str(tmp_path / "run")
+    sd3 = ["--rewards", "pickscore", "--lambda", "1", "--prompts-file", prompts_file,
+           "--resolution", "32", "--device", "cpu", "--out", out]  # fmt: skip
+    err = recast_exit(capsys, *sd3, "--model", "stabilityai/stable-diffusion-3.5-medium")
+    assert "error: --model" in err and "HF_HUB_OFFLINE is set" in err
+    assert "not in the cache" in err and "--local-dir" in err
+    err = recast_exit(capsys, *sd3, "--model", "./sd3.5-medium")
+    assert "error: --model" in err and "does not exist" in err
+    monkeypatch.setenv("RECAST_CLIPSCORE", "openai/clip-vit-large-patch14")
+    with pytest.raises(OSError, match="RECAST_CLIPSCORE.*HF_HUB_OFFLINE is set"):
+        rewards.get("clipscore", torch.device("cpu"))
+    assert not os.path.exists(out)
+    # no network: the hub can't be reached (nothing listens on port 9), and it is said so
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(hub, "_probe", probe.__wrapped__)  # uncached: this endpoint only
+    with pytest.raises(OSError, match="no network: 127.0.0.1:9 could not be reached"):
+        hub.locate("org/model", "--model", "model_index.json")
+    # cached: the cached folder is used (huggingface_hub's layout: refs/main → snapshots/<rev>)
+    repo = tmp_path / "cache" / "models--org--model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    shutil.copytree(sd3_dir, repo / "snapshots" / "abc123")
+    assert hub.locate("org/model", "--model", "model_index.json") == str(
+        repo / "snapshots" / "abc123"
+    )
 
 
 def test_sd3_trains_one_epoch_end_to_end(sd3_dir, prompts_file, reward_env, tmp_path):
