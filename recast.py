@@ -63,7 +63,8 @@ class Args:
     shape,iou in the toy world, none for SD3)"""
     # --- ReCAST ---
     weighting: str = "recast"
-    """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k)"""
+    """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
+    reversed (ReCAST's W with its timesteps in reverse order: a placement control)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -244,7 +245,8 @@ def recast_weights(
 
 def weights(run: "Run", step_scores, gains_ema, metrics: dict):
     """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
-    epochs, and W (K, T) for --weighting recast | uniform | sum. Returns (W, gains_ema)."""
+    epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns
+    (W, gains_ema)."""
     args, K, T = run.args, len(run.names), run.args.steps
     if step_scores is not None:
         D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
@@ -253,8 +255,9 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
             gains if gains_ema is None else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
         )
         metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
-    if args.weighting == "recast":
-        return recast_weights(gains_ema, run.lam, args.tau, args.floor), gains_ema
+    if args.weighting in ("recast", "reversed"):
+        W = recast_weights(gains_ema, run.lam, args.tau, args.floor)
+        return (W.flip(1) if args.weighting == "reversed" else W), gains_ema
     return (run.lam[:, None] / T).expand(K, T).float(), gains_ema
 
 
@@ -555,7 +558,10 @@ def load_world(args: Args, device: torch.device):
 
 
 def setup(argv: list[str] | None) -> Run:
-    choices = {"weighting": ["recast", "uniform", "sum"], "log": ["none", "tensorboard"]}
+    choices = {
+        "weighting": ["recast", "uniform", "sum", "reversed"],
+        "log": ["none", "tensorboard"],
+    }
     args = cli.parse(Args, argv, __doc__, choices)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1

@@ -285,6 +285,24 @@ def test_weights_have_the_marginals(seed):
     assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
 
 
+def test_reversed_weighting_is_recasts_w_backwards_in_time():
+    """--weighting reversed (the placement control): the same marginals, credit moved in time."""
+    import types
+
+    import recast
+
+    run = types.SimpleNamespace(names=list("abcd"), lam=LAM.double(), args=None)
+    args = dict(steps=10, group_size=4, alpha=2.0, adv_clip_max=5.0, gain_ema=0.8, tau=0.5)
+    gains = _random_gains(3).double()
+    out = {}
+    for weighting in ("recast", "reversed"):
+        run.args = types.SimpleNamespace(**args, floor=0.1, weighting=weighting)
+        out[weighting], _ = recast.weights(run, None, gains, {})
+    assert torch.equal(out["reversed"], out["recast"].flip(1))
+    assert not torch.allclose(out["reversed"], out["recast"], atol=1e-3)  # gains are not symmetric
+    assert torch.allclose(out["reversed"].double().sum(1), LAM.double(), atol=1e-6)
+
+
 def test_weights_ignore_the_scale_of_a_rewards_gains():
     g = _random_gains(0)
     scaled = g.clone()
