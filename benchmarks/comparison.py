@@ -1,0 +1,254 @@
+"""When does timestep credit pay off? The pre-registered comparison of docs/results.md (toy world).
+
+Arms (recast.py's defaults otherwise, the same for every arm): ReCAST at τ = 1, 0.5 and 0.25 (the
+dose: W concentrates as τ falls), uniform (W = λ/T), reversed (ReCAST's W at τ = 0.25 with its
+timesteps in reverse order: same marginals, credit in the wrong place) and sum (DiffusionNFT's
+single reward Σ λ_k s_k). Five budgets λ, seeds 0 … --seeds-1 (seed s gives every arm the same
+prompts and noise in its first epoch), held-out eval every 2 epochs for the curves.
+
+    python benchmarks/comparison.py run [--stop-after 150]   # resumable; two runs at a time
+    python benchmarks/comparison.py report                   # tables and figures of what is done
+
+`run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
+early leaves whole seeds; finished runs are skipped and an interrupted one resumes. --stop-after
+MINUTES starts no new run after that many minutes (the running ones finish). `report` uses every
+(budget, seed) whose six runs are finished and writes into --out: table.md (per budget and arm:
+final λ-weighted gap closed, the paired difference from uniform with its standard error and the
+verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's final gap), curves.png,
+dose.png (gain over uniform against the arm, reversed at the far end) and weights.png (mean final W
+per arm and budget).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from benchmarks.summarize import mean_std  # noqa: E402
+from toyworld import ToyWorld  # noqa: E402
+
+BUDGETS = ["0.4,0.2,0.2,0.2", "0.2,0.4,0.2,0.2", "0.2,0.2,0.4,0.2", "0.2,0.2,0.2,0.4",
+           "0.25,0.25,0.25,0.25"]  # fmt: skip
+ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ = 1, 0.5, 0.25, reversed
+    "uniform": ["--weighting", "uniform"],
+    "recast-tau1": ["--weighting", "recast", "--tau", "1"],
+    "recast-tau0.5": ["--weighting", "recast", "--tau", "0.5"],
+    "recast-tau0.25": ["--weighting", "recast", "--tau", "0.25"],
+    "reversed-tau0.25": ["--weighting", "reversed", "--tau", "0.25"],
+    "sum": ["--weighting", "sum"],
+}
+NAMES = list(ToyWorld.reward_names)
+JUDGES = list(ToyWorld.judge_names)
+EVAL_EVERY = 2
+
+
+def folder(out: str, lam: str, arm: str, seed: int) -> str:
+    return os.path.join(out, "runs", f"{lam.replace(',', '_')}-{arm}-s{seed}")
+
+
+def done(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "summary.json"))
+
+
+def run_one(path: str, lam: str, arm: str, seed: int, deadline: float) -> None:
+    """One recast.py run, resumed if a previous sitting left it unfinished; skipped when finished
+    or when the sitting's time is up."""
+    if done(path) or time.monotonic() > deadline:
+        return
+    cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", lam, *ARMS[arm]]
+    cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
+    cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
+    with open(path + ".log", "a") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
+    if code:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}); see {path}.log")
+    print(f"done: {os.path.basename(path)}", flush=True)
+
+
+def run(args) -> None:
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    plan = [(lam, arm, s) for s in range(args.seeds) for lam in BUDGETS for arm in ARMS]
+    left = sum(not done(folder(args.out, *key)) for key in plan)
+    print(f"{len(plan)} runs, {left} to go; two at a time", flush=True)
+    deadline = time.monotonic() + 60 * args.stop_after
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_one, folder(args.out, *key), *key, deadline) for key in plan]
+        for job in jobs:
+            job.result()
+    report(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def metrics(path: str) -> list[dict]:
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def evals(lines: list[dict]) -> list[dict]:
+    return [m for m in lines if "gap/weighted" in m]
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the paired differences a_s - b_s."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return statistics.fmean(d), se
+
+
+def verdict(diff: float, se: float) -> str:
+    """The rule fixed in the protocol: win / loss beyond twice the paired standard error."""
+    return "win" if diff > 2 * se else "loss" if diff < -2 * se else "tie"
+
+
+def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
+    """(epoch, seconds of the run's own time/*) of the first eval at or above target (or inf)."""
+    seconds = 0.0
+    for m in lines[1:]:
+        seconds += sum(v for k, v in m.items() if k.startswith("time/"))
+        if m.get("gap/weighted", -1e9) >= target:
+            return m["epoch"], seconds
+    return float("inf"), float("inf")
+
+
+def report(args) -> None:
+    complete = lambda lam, s: all(done(folder(args.out, lam, a, s)) for a in ARMS)  # noqa: E731
+    seeds = {lam: [s for s in range(args.seeds) if complete(lam, s)] for lam in BUDGETS}
+    if not any(seeds.values()):
+        print("nothing finished yet: no (budget, seed) with all arms done")
+        return
+    res = {(lam, a, s): metrics(folder(args.out, lam, a, s))
+           for lam in BUDGETS for a in ARMS for s in seeds[lam]}  # fmt: skip
+    fin = {k: evals(v)[-1] for k, v in res.items()}
+    rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
+            + " | ".join(NAMES) + " | " + " | ".join(JUDGES)
+            + " | epochs to 90% of uniform | seconds to 90% |",
+            "|---" * (10 + len(NAMES) + len(JUDGES) - 2) + "|"]  # fmt: skip
+    summary = {a: [] for a in ARMS}  # (diff, se) per budget
+    for lam in BUDGETS:
+        ss = seeds[lam]
+        if not ss:
+            continue
+        gap = {a: [fin[lam, a, s]["gap/weighted"] for s in ss] for a in ARMS}
+        target = 0.9 * statistics.fmean(gap["uniform"])
+        for a in ARMS:
+            diff, se = paired(gap[a], gap["uniform"])
+            if a != "uniform":
+                summary[a].append((diff, se))
+            reach = [to_reach(res[lam, a, s], target) for s in ss]
+            cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[a])),
+                     "" if a == "uniform" else f"{diff:+.3f} ± {se:.3f}",
+                     "" if a == "uniform" else verdict(diff, se)]  # fmt: skip
+            cells += ["{:+.2f}".format(statistics.fmean(fin[lam, a, s][f"gap/{n}"] for s in ss))
+                      for n in NAMES]  # fmt: skip
+            cells += ["{:.3f}".format(statistics.fmean(fin[lam, a, s][f"eval/{n}"] for s in ss))
+                      for n in JUDGES]  # fmt: skip
+            cells += [f"{statistics.median(e for e, _ in reach):.0f}",
+                      f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
+            rows.append(f"| {' | '.join(cells)} |")
+    lines = ["# The comparison (docs/results.md has the protocol)", "", *rows, ""]
+    lines.append("Across the budgets (arm beats uniform: wins in ≥ 3 budgets and loses in none):")
+    lines.append("")
+    for a, ds in summary.items():
+        if a == "uniform" or not ds:
+            continue
+        words = [verdict(d, se) for d, se in ds]
+        counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss"))
+        beats = words.count("win") >= 3 and "loss" not in words
+        mean_diff = statistics.fmean(d for d, _ in ds)
+        lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
+                     f"{'beats' if beats else 'does not beat'} uniform")  # fmt: skip
+    ses = [se for se in (s for _, s in summary["recast-tau1"]) if se == se]
+    if ses:
+        lines.append(f"\nResolvable difference (2 × the median paired SE of recast-tau1 over the "
+                     f"budgets): {2 * statistics.median(ses):.3f}")  # fmt: skip
+    base = next(iter(res.values()))[0]
+    lines.append(
+        "\nBase model: " + ", ".join(f"{n} {base[f'eval/{n}']:+.3f}" for n in NAMES + JUDGES)
+    )
+    lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(res, fin, seeds, summary, args)
+    print("\n".join(lines))
+    print(f"\nwrote {args.out}/table.md, curves.png, dose.png, weights.png")
+
+
+def plot(res, fin, seeds, summary, args) -> None:
+    budgets = [lam for lam in BUDGETS if seeds[lam]]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, lam in zip(axes[0], budgets, strict=True):
+        for a in ARMS:
+            curves = torch.tensor([[0.0] + [m["gap/weighted"] for m in evals(res[lam, a, s])]
+                                   for s in seeds[lam]])  # fmt: skip
+            epochs = [0] + [m["epoch"] for m in evals(res[lam, a, seeds[lam][0]])]
+            ax.plot(epochs, curves.mean(0), label=a, lw=1.2)
+        ax.set_title(f"λ = {lam}  ({len(seeds[lam])} seeds)", fontsize=9)
+        ax.set_xlabel("epoch")
+    axes[0][0].set_ylabel("λ-weighted gap closed (mean)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "curves.png"), dpi=110)
+    plt.close(fig)
+
+    arms = [a for a in ARMS if a not in ("uniform", "sum")]
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for j, lam in enumerate(budgets):
+        gap = {a: [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]] for a in ARMS}
+        ds = [paired(gap[a], gap["uniform"]) for a in arms]
+        x = [i + 0.08 * (j - 2) for i in range(len(arms))]
+        ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
+                    fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
+    ax.axhline(0, color="grey", lw=0.6)
+    ax.set_xticks(range(len(arms)), arms, fontsize=8, rotation=15)
+    ax.set_ylabel("gap closed − uniform's (± 2 SE)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "dose.png"), dpi=110)
+    plt.close(fig)
+
+    shown = [a for a in ARMS if a != "sum"]
+    size = (2.4 * len(budgets), 1.5 * len(shown))
+    fig, axes = plt.subplots(len(shown), len(budgets), figsize=size, squeeze=False)
+    for i, a in enumerate(shown):
+        for j, lam in enumerate(budgets):
+            W = torch.tensor([fin[lam, a, s]["W"] for s in seeds[lam]]).mean(0)
+            ax = axes[i][j]
+            ax.imshow(W * W.shape[1], cmap="magma", vmin=0, vmax=1.5, aspect="auto")
+            ax.set_xticks([])
+            ax.set_yticks(range(len(NAMES)), NAMES if j == 0 else [], fontsize=6)
+            if i == 0:
+                ax.set_title(f"λ = {lam}", fontsize=7)
+            if j == 0:
+                ax.set_ylabel(a, fontsize=7)
+    fig.suptitle("mean final W·T (timestep 0 = noise at the left; rows sum to λ·T)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "weights.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("cmd", choices=["run", "report"])
+    ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
+    ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
+    ap.add_argument("--stop-after", type=float, default=150.0,
+                    help="minutes after which no new run starts (running ones finish)")  # fmt: skip
+    args = ap.parse_args()
+    run(args) if args.cmd == "run" else report(args)
