@@ -583,7 +583,7 @@ def setup(argv: list[str] | None) -> Run:
         cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
     if args.log == "tensorboard":
         try:
-            import torch.utils.tensorboard  # noqa: F401
+            from torch.utils import tensorboard  # noqa: F401 (import torch.… would shadow torch)
         except ImportError:
             cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
     if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
