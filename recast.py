@@ -98,8 +98,9 @@ class Args:
     """micro-batches whose gradients are summed into one optimizer step"""
     train_frac: float = 0.5
     """fraction of the epoch's (image, timestep) pairs trained on, drawn at random each epoch"""
-    kl_coef: float = 0.0
-    """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model"""
+    kl_coef: float = 1.0
+    """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model (1: chosen on uniform
+    weighting in the toy world, docs/recipe.md; DiffusionNFT uses 1e-4 with LoRA on SD3.5)"""
     adv_clip_max: float = 5.0
     """advantage clip A_max of the optimality map r = 1/2 + A/(2 A_max)"""
     grad_clip: float = 1.0
