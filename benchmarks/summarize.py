@@ -57,6 +57,16 @@ def main(runs: list[str]) -> None:
     for k in range(1, len(rewards)):
         before = int((cents[:, 0] < cents[:, k]).sum())
         print(f"  {rewards[0]} before {rewards[k]}: {before} of {len(Ws)} epochs")
+    # where the time goes: each run's own time/*, summed over its epochs
+    times = [{} for _ in lines]
+    for t, ls in zip(times, lines, strict=True):
+        for m in ls[1:]:
+            for k, v in m.items():
+                if k.startswith("time/"):
+                    t[k[5:]] = t.get(k[5:], 0.0) + v
+    share = {k: [100 * t[k] / sum(t.values()) for t in times] for k in times[0]}
+    cells = ["{} {:.1f} ± {:.1f} %".format(k, *mean_std(v)) for k, v in share.items()]
+    print(f"time (share of each run's time/*, mean ± std over runs): {', '.join(cells)}")
 
 
 if __name__ == "__main__":
