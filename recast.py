@@ -601,13 +601,13 @@ def setup(argv: list[str] | None) -> Run:
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
         cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
                  f"{world_size} processes: hold out at least one per process")  # fmt: skip
-    try:  # a reward model missing (file, package, hub access) is bad input too
-        reward_fns = {n: rewards.get(n, device) for n in names}
-        judges = judges or list(world.judge_names)
-        scorers = {**reward_fns, **{n: rewards.get(n, device) for n in judges}}
-    except (ImportError, OSError, ValueError) as e:
-        cli.fail("--rewards" if not judges else "--rewards/--judges",
-                 f"could not load a reward model: {e}")  # fmt: skip
+    scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
+    for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
+        try:  # a reward model missing (file, package, hub access) is bad input too
+            scorers.update({n: rewards.get(n, device) for n in group})
+        except (ImportError, OSError, ValueError) as e:
+            cli.fail(flag, f"could not load a reward model: {e}")
+    reward_fns = {n: scorers[n] for n in names}
     if distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)

@@ -960,6 +960,9 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
     err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file)
     assert "error: --rewards" in err and "RECAST_AESTHETIC_HEAD" in err
+    judged = [*base, "--rewards", "pickscore", "--lambda", "1", "--judges", "aesthetic"]
+    err = recast_exit(capsys, *judged, "--prompts-file", prompts_file)
+    assert "error: --judges" in err and "RECAST_AESTHETIC_HEAD" in err
     assert not os.path.exists(out)
 
 
