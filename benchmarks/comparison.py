@@ -111,7 +111,10 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def verdict(diff: float, se: float) -> str:
-    """The rule fixed in the protocol: win / loss beyond twice the paired standard error."""
+    """The rule fixed in the protocol: win / loss beyond twice the paired standard error (no
+    verdict from one seed)."""
+    if se != se:  # NaN: fewer than two seeds
+        return "n/a"
     return "win" if diff > 2 * se else "loss" if diff < -2 * se else "tie"
 
 
@@ -167,7 +170,7 @@ def report(args) -> None:
         if a == "uniform" or not ds:
             continue
         words = [verdict(d, se) for d, se in ds]
-        counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss"))
+        counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss", "n/a"))
         beats = words.count("win") >= 3 and "loss" not in words
         mean_diff = statistics.fmean(d for d, _ in ds)
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
