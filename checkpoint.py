@@ -12,6 +12,7 @@ the one before it is used.
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -136,7 +137,7 @@ def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
     return None
 
 
-def read_metrics(run_dir: str, upto_epoch: int) -> list[dict]:
+def read_metrics(run_dir: str, upto_epoch: float = math.inf) -> list[dict]:
     """metrics.jsonl lines with epoch <= upto_epoch (a line cut by a kill is dropped)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -222,7 +223,7 @@ def write_summary(args, history: list[dict], base: dict, names: list[str], log=p
 
 
 # ---------------------------------------------------------------------------------------------
-# Processes: torchrun ranks (identity on one process) and per-epoch generators
+# --log tensorboard
 # ---------------------------------------------------------------------------------------------
 class TensorBoard:
     """--log tensorboard (rank 0): every number of a metrics.jsonl line as a scalar at its epoch,
@@ -253,6 +254,9 @@ class TensorBoard:
         self.writer.close()
 
 
+# ---------------------------------------------------------------------------------------------
+# Processes: torchrun ranks (identity on one process) and per-epoch generators
+# ---------------------------------------------------------------------------------------------
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     """(rank, device), the process group started under torchrun; seeds set per rank."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"

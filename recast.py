@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import checkpoint
 import cli
+import hub
 import plots
 import rewards
 import toyworld
@@ -558,6 +559,15 @@ def load_world(args: Args, device: torch.device):
         cli.fail("--model", f"could not load {args.model!r}: {e}")
 
 
+def expand_names(flag: str, text: str, known: list[str], allow_none: bool = False) -> list[str]:
+    """--rewards / --judges → reward names (presets expanded); an unknown one exits 2."""
+    names = rewards.expand(text)
+    if (not names and not allow_none) or any(n not in known for n in names):
+        bad = ", ".join(n for n in names if n not in known) or "(none)"
+        cli.fail(flag, f"unknown reward {bad}; choose from {', '.join([*known, *rewards.PRESETS])}")
+    return names
+
+
 def setup(argv: list[str] | None) -> Run:
     choices = {
         "weighting": ["recast", "uniform", "sum", "reversed"],
@@ -567,18 +577,10 @@ def setup(argv: list[str] | None) -> Run:
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     cli.check(args, world_size, RESUMABLE)
-    names = rewards.expand(args.rewards)  # presets such as paper1 become their rewards
     known = [*rewards.REWARDS, *rewards.LOADERS]
-    if not names or any(n not in known for n in names):
-        bad = ", ".join(n for n in names if n not in known) or "(none)"
-        choices = ", ".join([*known, *rewards.PRESETS])
-        cli.fail("--rewards", f"unknown reward {bad}; choose from {choices}")
+    names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
     lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
-    judges = rewards.expand(args.judges)
-    if any(n not in [*known, *rewards.JUDGES] for n in judges):
-        bad = ", ".join(n for n in judges if n not in [*known, *rewards.JUDGES])
-        cli.fail("--judges", f"unknown reward {bad}; choose from "
-                 f"{', '.join([*known, *rewards.JUDGES, *rewards.PRESETS])}")  # fmt: skip
+    judges = expand_names("--judges", args.judges, [*known, *rewards.JUDGES], allow_none=True)
     if set(judges) & set(names):
         both = ", ".join(n for n in judges if n in names)
         cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
@@ -587,8 +589,9 @@ def setup(argv: list[str] | None) -> Run:
             from torch.utils import tensorboard  # noqa: F401 (import torch.… would shadow torch)
         except ImportError:
             cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
-    if args.model != "toy" and not os.path.isdir(args.model) and args.model.count("/") != 1:
-        cli.fail("--model", f"{args.model!r} is not 'toy', a folder, or a hub id 'org/name'")
+    if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
+        cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
+                 "'org/name'")  # fmt: skip
     if args.model != "toy" and not is_toy_model(args.model):
         import sd3world
 

@@ -381,8 +381,8 @@ def hpsv2(device: torch.device) -> RewardFn:
     if not checkpoint:
         name = "HPS_v2.1_compressed.pt"
         source = hub.locate("xswu/HPSv2", "RECAST_HPSV2", name)
-        checkpoint = os.path.join(source, name) if os.path.isdir(source) else None
-        checkpoint = checkpoint or hf_hub_download(source, name)
+        local = os.path.isdir(source)  # offline: the cached folder
+        checkpoint = os.path.join(source, name) if local else hf_hub_download(source, name)
     state = torch.load(checkpoint, map_location=device, weights_only=True)["state_dict"]
     model.load_state_dict(state)
     model.eval().requires_grad_(False)

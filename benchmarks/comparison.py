@@ -20,7 +20,6 @@ per arm and budget).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -37,6 +36,7 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.summarize import mean_std  # noqa: E402
+from checkpoint import read_metrics  # noqa: E402
 from toyworld import ToyWorld  # noqa: E402
 
 BUDGETS = ["0.4,0.2,0.2,0.2", "0.2,0.4,0.2,0.2", "0.2,0.2,0.4,0.2", "0.2,0.2,0.2,0.4",
@@ -94,11 +94,6 @@ def run(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
-def metrics(path: str) -> list[dict]:
-    with open(os.path.join(path, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def evals(lines: list[dict]) -> list[dict]:
     return [m for m in lines if "gap/weighted" in m]
 
@@ -134,7 +129,7 @@ def report(args) -> None:
     if not any(seeds.values()):
         print("nothing finished yet: no (budget, seed) with all arms done")
         return
-    res = {(lam, a, s): metrics(folder(args.out, lam, a, s))
+    res = {(lam, a, s): read_metrics(folder(args.out, lam, a, s))
            for lam in BUDGETS for a in ARMS for s in seeds[lam]}  # fmt: skip
     fin = {k: evals(v)[-1] for k, v in res.items()}
     rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "

@@ -22,7 +22,6 @@ across rows); with several seeds, also each recipe's mean ± std over them.
 
 import argparse
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -33,11 +32,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from summarize import fmt  # noqa: E402
-
 import cli  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
+from benchmarks.summarize import fmt  # noqa: E402
+from checkpoint import read_metrics  # noqa: E402
 from kernels.nft_loss import reference_nft_loss  # noqa: E402
 from kernels.renyi import group_optimality  # noqa: E402
 
@@ -130,13 +129,8 @@ def run_one(out: str, recipe: tuple, seed: int) -> str:
     return out
 
 
-def metrics(out: str) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def final_metrics(out: str) -> dict:
-    return [m for m in metrics(out) if "gap/weighted" in m][-1]
+    return [m for m in read_metrics(out) if "gap/weighted" in m][-1]
 
 
 def sweep(args) -> None:
@@ -154,7 +148,7 @@ def sweep(args) -> None:
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "
           "gap per minute |\n|---|---|---|---|---|")  # fmt: skip
     for n in names:
-        ms = metrics(outs[n])
+        ms = read_metrics(outs[n])
         secs = sum(v for m in ms for k, v in m.items() if k.startswith("time/"))
         curve = " / ".join(f"{m['gap/weighted']:.3f}" for m in ms if "gap/weighted" in m)
         last = ms[-1]

@@ -11,6 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checkpoint import read_metrics  # noqa: E402
 from plots import centroid  # noqa: E402
 
 
@@ -24,10 +25,7 @@ def fmt(xs: list[float]) -> str:
 
 
 def main(runs: list[str]) -> None:
-    lines = []
-    for run in runs:
-        with open(os.path.join(run, "metrics.jsonl")) as f:
-            lines.append([json.loads(line) for line in f])
+    lines = [read_metrics(run) for run in runs]
     base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
     names = [k[5:] for k in base if k.startswith("eval/")]
     print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs\n")
