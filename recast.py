@@ -42,7 +42,7 @@ import rewards
 import toyworld
 from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
-from kernels.renyi import group_optimality, renyi_gains
+from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains
 from plots import centroid
 
 
@@ -212,39 +212,8 @@ def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Phase 3 — gains (DESIGN §4) and the weight matrix W (DESIGN §5)
+# Phase 3 — gains (DESIGN §4) and the weight matrix W (DESIGN §5), both from kernels/renyi.py
 # ---------------------------------------------------------------------------------------------
-def gain_profiles(gains: torch.Tensor, floor: float = 0.1) -> torch.Tensor:
-    """p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T; a reward without positive gain is flat."""
-    g = gains.double().clamp(min=0)  # (K, T)
-    total = g.sum(1, keepdim=True)
-    shape = torch.where(total > 0, g / total.clamp(min=1e-300), 1 / g.shape[1])
-    return (1 - floor) * shape + floor / g.shape[1]
-
-
-def recast_weights(
-    gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1
-) -> torch.Tensor:
-    """W (K, T): the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums
-    1/T, in the log domain — the entropic transport plan that puts each reward's budget where its
-    gains are. Rows with λ_k = 0 stay 0."""
-    K, T = gains.shape
-    lam = lam.double().cpu()
-    lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
-    live = lam > 0
-    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor)[live].log() / tau
-    log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
-    u, v = torch.zeros(int(live.sum()), dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
-    for _ in range(10_000):  # columns are exact after each sweep; stop when the rows are too
-        u = log_rows - torch.logsumexp(log_m + v, 1)
-        v = log_cols - torch.logsumexp(log_m + u[:, None], 0)
-        if (torch.logsumexp(log_m + u[:, None] + v, 1).exp() - lam[live]).abs().max() < 1e-12:
-            break
-    W = torch.zeros(K, T, dtype=torch.float64)
-    W[live] = (log_m + u[:, None] + v).exp()
-    return W.float()
-
-
 def weights(run: "Run", step_scores, gains_ema, metrics: dict):
     """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
     epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns

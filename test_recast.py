@@ -23,7 +23,7 @@ import torch
 
 import rewards
 import toyworld as tw
-from recast import centroid, gain_profiles, recast_weights
+from plots import centroid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 P = tw.HELDOUT_PROMPTS
@@ -278,13 +278,6 @@ def _random_gains(seed, K=4, T=10):
     return torch.rand(K, T, generator=torch.Generator().manual_seed(seed)) ** 3
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_weights_have_the_marginals(seed):
-    W = recast_weights(_random_gains(seed), LAM)
-    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
-    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
-
-
 def test_reversed_weighting_is_recasts_w_backwards_in_time():
     """--weighting reversed (the placement control): the same marginals, credit moved in time."""
     import types
@@ -301,50 +294,6 @@ def test_reversed_weighting_is_recasts_w_backwards_in_time():
     assert torch.equal(out["reversed"], out["recast"].flip(1))
     assert not torch.allclose(out["reversed"], out["recast"], atol=1e-3)  # gains are not symmetric
     assert torch.allclose(out["reversed"].double().sum(1), LAM.double(), atol=1e-6)
-
-
-def test_weights_ignore_the_scale_of_a_rewards_gains():
-    g = _random_gains(0)
-    scaled = g.clone()
-    scaled[1] *= 37.0
-    assert torch.allclose(recast_weights(g, LAM), recast_weights(scaled, LAM), atol=1e-7)
-
-
-def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
-    static = LAM[:, None].expand(4, 10) / 10
-    same = _random_gains(1, K=1).expand(4, 10)
-    assert torch.allclose(recast_weights(same, LAM), static, atol=1e-7)
-    assert torch.allclose(recast_weights(torch.zeros(4, 10), LAM), static, atol=1e-7)
-    assert torch.allclose(recast_weights(_random_gains(2), LAM, tau=1e6), static, atol=1e-6)
-    assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
-
-
-def test_raising_a_gain_never_lowers_its_own_weight():
-    g = _random_gains(3)
-    for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
-        W0 = recast_weights(g, LAM)[k, i]
-        for factor in (1.5, 3.0, 10.0):
-            up = g.clone()
-            up[k, i] = up[k, i] * factor + 0.01
-            assert recast_weights(up, LAM)[k, i] >= W0 - 1e-7
-
-
-def test_weights_follow_the_gains():
-    gains = torch.zeros(2, 10)
-    gains[0, :3], gains[1, -4:-1] = 1.0, 1.0  # reward 0 informative early, reward 1 late
-    W = recast_weights(gains, torch.tensor([0.5, 0.5]))
-    assert centroid(W[0]) < 3 < 6 < centroid(W[1])
-    # the last column carries no gain (Euler's last prediction is the sample), so it stays at λ
-    assert torch.allclose(W[:, -1] * 10, torch.tensor([0.5, 0.5]), atol=0.05)
-    prof = gain_profiles(gains, 0.1)
-    assert torch.allclose(prof.sum(1), torch.ones(2, dtype=prof.dtype))
-    assert prof.min() >= 0.1 / 10 - 1e-12
-
-
-def test_zero_budget_reward_gets_no_weight():
-    W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
-    assert W[1].abs().max() == 0
-    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,8 +23,7 @@ if __name__ == "__main__" and DEVICE.type == "cpu":
 import rewards  # noqa: E402
 import toyworld  # noqa: E402
 from kernels.nft_loss import nft_loss  # noqa: E402
-from kernels.renyi import group_optimality, renyi_gains  # noqa: E402
-from recast import recast_weights  # noqa: E402  (Sinkhorn: a few lines of PyTorch)
+from kernels.renyi import group_optimality, recast_weights, renyi_gains  # noqa: E402
 
 
 def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> dict:

@@ -1,4 +1,5 @@
-"""Batched Rényi discriminability per (reward, sampler step) and its gains, one launch (DESIGN §4).
+"""Batched Rényi discriminability per (reward, sampler step) and its gains, one launch (DESIGN §4),
+and the weight matrix W built from them (DESIGN §5).
 
 What it computes
 ----------------
@@ -31,6 +32,14 @@ Choices beyond DESIGN.md
   sample itself (Euler's last step) and no advantage is clipped, since then r̂ = r.
 
 Gradient: none (the gains are statistics of the rollout; nothing is differentiated through them).
+
+From gains to W (DESIGN §5; plain PyTorch, no kernel: K·T numbers)
+------------------------------------------------------------------
+gain_profiles: p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T (negative gains clipped; a reward
+with no positive gain is flat). recast_weights(gains, lam, tau=1.0, floor=0.1): W (K, T), the
+Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums 1/T, in the log domain
+and float64, returned as fp32 on the CPU. So this one file takes a trainer from step scores to the
+W that kernels/nft_loss.py consumes.
 
 Dtypes, launch and synchronisation
 ----------------------------------
@@ -362,6 +371,40 @@ def _launch(scores, group_size, alpha, adv_clip_max):
             num_warps=_NUM_WARPS, enable_fp_fusion=True,
         )  # fmt: skip
     return divergence, gains
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight matrix W (DESIGN §5): plain PyTorch on the host, float64, K·T numbers
+# ---------------------------------------------------------------------------------------------
+def gain_profiles(gains: torch.Tensor, floor: float = 0.1) -> torch.Tensor:
+    """p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T; a reward without positive gain is flat."""
+    g = gains.double().clamp(min=0)  # (K, T)
+    total = g.sum(1, keepdim=True)
+    shape = torch.where(total > 0, g / total.clamp(min=1e-300), 1 / g.shape[1])
+    return (1 - floor) * shape + floor / g.shape[1]
+
+
+def recast_weights(
+    gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1
+) -> torch.Tensor:
+    """W (K, T): the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums
+    1/T, in the log domain — the entropic transport plan that puts each reward's budget where its
+    gains are. Rows with λ_k = 0 stay 0."""
+    K, T = gains.shape
+    lam = lam.double().cpu()
+    lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
+    live = lam > 0
+    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor)[live].log() / tau
+    log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
+    u, v = torch.zeros(int(live.sum()), dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
+    for _ in range(10_000):  # columns are exact after each sweep; stop when the rows are too
+        u = log_rows - torch.logsumexp(log_m + v, 1)
+        v = log_cols - torch.logsumexp(log_m + u[:, None], 0)
+        if (torch.logsumexp(log_m + u[:, None] + v, 1).exp() - lam[live]).abs().max() < 1e-12:
+            break
+    W = torch.zeros(K, T, dtype=torch.float64)
+    W[live] = (log_m + u[:, None] + v).exp()
+    return W.float()
 
 
 if __name__ == "__main__":

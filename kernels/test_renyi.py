@@ -1,5 +1,6 @@
 """Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
-DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain) and group_optimality.
+DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), group_optimality, and the
+weight matrix W of DESIGN §5 (gain_profiles, recast_weights).
 
 On CPU (the default) the kernel runs in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the tolerances below
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from kernels import renyi
+from kernels.renyi import gain_profiles, recast_weights
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -213,3 +215,65 @@ def test_renyi_bad_inputs(fn_name, name, breaks, monkeypatch):
     kwargs = {"scores": scores, "group_size": 3, **breaks(scores)}
     with pytest.raises(ValueError, match=error_names(name)):
         getattr(renyi, fn_name)(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# gain_profiles and recast_weights: the weight matrix W (DESIGN §5)
+# ---------------------------------------------------------------------------------------------
+LAM = torch.tensor([0.4, 0.2, 0.2, 0.2])
+
+
+def _random_gains(seed, K=4, T=10):
+    return torch.rand(K, T, generator=torch.Generator().manual_seed(seed)) ** 3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_weights_have_the_marginals(seed):
+    W = recast_weights(_random_gains(seed), LAM)
+    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+
+
+def test_weights_ignore_the_scale_of_a_rewards_gains():
+    g = _random_gains(0)
+    scaled = g.clone()
+    scaled[1] *= 37.0
+    assert torch.allclose(recast_weights(g, LAM), recast_weights(scaled, LAM), atol=1e-7)
+
+
+def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
+    static = LAM[:, None].expand(4, 10) / 10
+    same = _random_gains(1, K=1).expand(4, 10)
+    assert torch.allclose(recast_weights(same, LAM), static, atol=1e-7)
+    assert torch.allclose(recast_weights(torch.zeros(4, 10), LAM), static, atol=1e-7)
+    assert torch.allclose(recast_weights(_random_gains(2), LAM, tau=1e6), static, atol=1e-6)
+    assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
+
+
+def test_raising_a_gain_never_lowers_its_own_weight():
+    g = _random_gains(3)
+    for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
+        W0 = recast_weights(g, LAM)[k, i]
+        for factor in (1.5, 3.0, 10.0):
+            up = g.clone()
+            up[k, i] = up[k, i] * factor + 0.01
+            assert recast_weights(up, LAM)[k, i] >= W0 - 1e-7
+
+
+def test_weights_follow_the_gains():
+    gains = torch.zeros(2, 10)
+    gains[0, :3], gains[1, -4:-1] = 1.0, 1.0  # reward 0 informative early, reward 1 late
+    W = recast_weights(gains, torch.tensor([0.5, 0.5]))
+    centre = (W * torch.arange(10.0)).sum(1) / W.sum(1)  # where along the steps each row sits
+    assert centre[0] < 3 < 6 < centre[1]
+    # the last column carries no gain (Euler's last prediction is the sample), so it stays at λ
+    assert torch.allclose(W[:, -1] * 10, torch.tensor([0.5, 0.5]), atol=0.05)
+    prof = gain_profiles(gains, 0.1)
+    assert torch.allclose(prof.sum(1), torch.ones(2, dtype=prof.dtype))
+    assert prof.min() >= 0.1 / 10 - 1e-12
+
+
+def test_zero_budget_reward_gets_no_weight():
+    W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
+    assert W[1].abs().max() == 0
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
