@@ -8,6 +8,7 @@ prompts and noise in its first epoch), held-out eval every 2 epochs for the curv
 
     python benchmarks/comparison.py run [--stop-after 150]   # resumable; two runs at a time
     python benchmarks/comparison.py report                   # tables and figures of what is done
+    python benchmarks/comparison.py archive                  # finished runs → docs/comparison/
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs are skipped and an interrupted one resumes. --stop-after
@@ -17,9 +18,15 @@ final λ-weighted gap closed, the paired difference from uniform with its standa
 verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's final gap), curves.png,
 dose.png (gain over uniform against the arm, reversed at the far end) and weights.png (mean final W
 per arm and budget).
+
+`archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
+held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
+with the code: `report` uses a run's folder when it exists and its archived record otherwise, so
+the tables and figures can be rebuilt without the run folders (gigabytes of checkpoints).
 """
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -58,8 +65,48 @@ def folder(out: str, lam: str, arm: str, seed: int) -> str:
     return os.path.join(out, "runs", f"{lam.replace(',', '_')}-{arm}-s{seed}")
 
 
+ARCHIVE = os.path.join(ROOT, "docs", "comparison", "runs.jsonl")
+
+
 def done(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "summary.json"))
+
+
+def compact(lines: list[dict]) -> list[dict]:
+    """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*), at
+    each eval the held-out scores and gaps, and the last eval's W."""
+    out = []
+    for m in lines:
+        c = {"epoch": m["epoch"], "time": sum(v for k, v in m.items() if k.startswith("time/"))}
+        c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/"))})
+        out.append(c)
+    last = max(i for i, m in enumerate(lines) if "gap/weighted" in m)
+    out[last]["W"] = lines[last]["W"]
+    return out
+
+
+def read_archive(path: str) -> dict[str, list[dict]]:
+    """Run name → compact lines, from the archive (empty if there is none)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return {r["run"]: r["lines"] for r in map(json.loads, f)}
+
+
+def archive(args) -> None:
+    """Add every finished run's compact record to the archive (a run already there is replaced
+    by its folder's, which is the same run)."""
+    records = read_archive(args.archive)
+    for lam, arm, s in ((lam, a, s) for s in range(args.seeds) for lam in BUDGETS for a in ARMS):
+        path = folder(args.out, lam, arm, s)
+        if done(path):
+            records[os.path.basename(path)] = compact(read_metrics(path))
+    os.makedirs(os.path.dirname(args.archive), exist_ok=True)
+    with open(args.archive + ".tmp", "w") as f:
+        for name in sorted(records):
+            f.write(json.dumps({"run": name, "lines": records[name]}) + "\n")
+    os.replace(args.archive + ".tmp", args.archive)
+    print(f"{len(records)} runs in {args.archive}")
 
 
 def run_one(path: str, lam: str, arm: str, seed: int, deadline: float) -> None:
@@ -88,6 +135,7 @@ def run(args) -> None:
         jobs = [pool.submit(run_one, folder(args.out, *key), *key, deadline) for key in plan]
         for job in jobs:
             job.result()
+    archive(args)
     report(args)
 
 
@@ -117,20 +165,32 @@ def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
     """(epoch, seconds of the run's own time/*) of the first eval at or above target (or inf)."""
     seconds = 0.0
     for m in lines[1:]:
-        seconds += sum(v for k, v in m.items() if k.startswith("time/"))
+        seconds += m["time"]
         if m.get("gap/weighted", -1e9) >= target:
             return m["epoch"], seconds
     return float("inf"), float("inf")
 
 
+def finished(args) -> dict[tuple, list[dict]]:
+    """(budget, arm, seed) → compact lines of every finished run: its folder, else the archive."""
+    kept, res = read_archive(args.archive), {}
+    for key in ((lam, a, s) for lam in BUDGETS for a in ARMS for s in range(args.seeds)):
+        path = folder(args.out, *key)
+        if done(path):
+            res[key] = compact(read_metrics(path))
+        elif os.path.basename(path) in kept:
+            res[key] = kept[os.path.basename(path)]
+    return res
+
+
 def report(args) -> None:
-    complete = lambda lam, s: all(done(folder(args.out, lam, a, s)) for a in ARMS)  # noqa: E731
-    seeds = {lam: [s for s in range(args.seeds) if complete(lam, s)] for lam in BUDGETS}
+    res = finished(args)
+    seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in ARMS)]
+             for lam in BUDGETS}  # fmt: skip
     if not any(seeds.values()):
         print("nothing finished yet: no (budget, seed) with all arms done")
         return
-    res = {(lam, a, s): read_metrics(folder(args.out, lam, a, s))
-           for lam in BUDGETS for a in ARMS for s in seeds[lam]}  # fmt: skip
+    res = {(lam, a, s): res[lam, a, s] for lam in BUDGETS for a in ARMS for s in seeds[lam]}
     fin = {k: evals(v)[-1] for k, v in res.items()}
     rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
             + " | ".join(NAMES) + " | " + " | ".join(JUDGES)
@@ -179,6 +239,7 @@ def report(args) -> None:
         "\nBase model: " + ", ".join(f"{n} {base[f'eval/{n}']:+.3f}" for n in NAMES + JUDGES)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(res, fin, seeds, summary, args)
@@ -195,7 +256,7 @@ def plot(res, fin, seeds, summary, args) -> None:
             curves = torch.tensor([[0.0] + [m["gap/weighted"] for m in evals(res[lam, a, s])]
                                    for s in seeds[lam]])  # fmt: skip
             epochs = [0] + [m["epoch"] for m in evals(res[lam, a, seeds[lam][0]])]
-            ax.plot(epochs, curves.mean(0), label=a, lw=1.2)
+            ax.plot(epochs, curves.mean(0).tolist(), label=a, lw=1.2)
         ax.set_title(f"λ = {lam}  ({len(seeds[lam])} seeds)", fontsize=9)
         ax.set_xlabel("epoch")
     axes[0][0].set_ylabel("λ-weighted gap closed (mean)")
@@ -227,7 +288,7 @@ def plot(res, fin, seeds, summary, args) -> None:
         for j, lam in enumerate(budgets):
             W = torch.tensor([fin[lam, a, s]["W"] for s in seeds[lam]]).mean(0)
             ax = axes[i][j]
-            ax.imshow(W * W.shape[1], cmap="magma", vmin=0, vmax=1.5, aspect="auto")
+            ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
             ax.set_xticks([])
             ax.set_yticks(range(len(NAMES)), NAMES if j == 0 else [], fontsize=6)
             if i == 0:
@@ -243,10 +304,11 @@ def plot(res, fin, seeds, summary, args) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("cmd", choices=["run", "report"])
+    ap.add_argument("cmd", choices=["run", "report", "archive"])
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
+    ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()
-    run(args) if args.cmd == "run" else report(args)
+    {"run": run, "report": report, "archive": archive}[args.cmd](args)

@@ -1,0 +1,93 @@
+"""Tests of benchmarks/comparison.py on made-up runs: the pre-registered win/tie/loss rule, the
+"beats uniform" count across budgets, and that the archive rebuilds the same report without the
+run folders."""
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+
+from benchmarks import comparison as cmp
+
+# Per arm, the final λ-weighted gap's offset from uniform's in seeds 0 and 1 (every budget).
+OFFSETS = {
+    "uniform": (0.0, 0.0),
+    "recast-tau1": (0.05, 0.06),  # mean +0.055, paired SE 0.005: a win
+    "recast-tau0.5": (0.03, -0.02),  # mean +0.005, SE 0.025: a tie
+    "recast-tau0.25": (0.01, 0.011),  # mean +0.0105, SE 0.0005: a (small) win
+    "reversed-tau0.25": (-0.10, -0.12),  # a loss
+    "sum": (0.0, 0.0),  # identical to uniform: SE 0, difference 0, a tie
+}
+
+
+def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
+    """metrics.jsonl with an eval every 2 epochs up to epoch 4, and summary.json (finished)."""
+    os.makedirs(path)
+    final = 0.30 + 0.01 * lam_index + 0.02 * seed + OFFSETS[arm][seed]
+    names = cmp.NAMES + cmp.JUDGES
+    lines = [{"epoch": 0, **{f"eval/{n}": -1.0 for n in names}}]
+    for epoch in range(1, 5):
+        m = {"epoch": epoch, "time/rollout": 1.0, "time/update": 2.0, "W": [[0.025] * 10] * 4}
+        if epoch % 2 == 0:
+            m.update({f"eval/{n}": -1.0 + epoch / 10 for n in names})
+            m.update({f"gap/{n}": epoch / 40 for n in names})
+            m["gap/weighted"] = final * epoch / 4
+        lines.append(m)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    out = tmp_path / "sweep"
+    for j, lam in enumerate(cmp.BUDGETS):
+        for arm in cmp.ARMS:
+            for seed in (0, 1):
+                fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
+    return argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2)
+
+
+def test_verdict_is_the_pre_registered_rule():
+    assert cmp.verdict(0.041, 0.02) == "win" and cmp.verdict(-0.041, 0.02) == "loss"
+    assert cmp.verdict(0.039, 0.02) == "tie" and cmp.verdict(-0.039, 0.02) == "tie"
+    assert cmp.verdict(0.1, float("nan")) == "n/a"  # one seed: no verdict
+    assert cmp.paired([0.35, 0.37], [0.30, 0.31]) == pytest.approx((0.055, 0.005))
+
+
+def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "table.md")).read()
+    assert "- recast-tau1: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.055; beats" in (
+        table
+    )
+    assert "- recast-tau0.5: 0 win, 5 tie, 0 loss, 0 n/a" in table
+    assert "- recast-tau0.25: 5 win, 0 tie, 0 loss, 0 n/a" in table
+    lost = "- reversed-tau0.25: 0 win, 0 tie, 5 loss, 0 n/a; mean paired difference -0.110; does"
+    assert lost in table
+    assert "- sum: 0 win, 5 tie, 0 loss" in table
+    # epochs to 90 % of uniform's final gap: uniform reaches it at its last eval, reversed never
+    row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | reversed"))
+    assert row.endswith("| inf | inf |"), row
+    row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | uniform"))
+    assert row.endswith("| 4 | 12 |"), row  # 4 epochs of 3 s
+    for figure in ("curves.png", "dose.png", "weights.png"):
+        assert os.path.getsize(os.path.join(sweep.out, figure)) > 0
+
+    cmp.archive(sweep)
+    shutil.rmtree(os.path.join(sweep.out, "runs"))
+    os.remove(os.path.join(sweep.out, "table.md"))
+    cmp.report(sweep)
+    assert open(os.path.join(sweep.out, "table.md")).read() == table
+
+
+def test_an_unfinished_seed_is_left_out(sweep):
+    os.remove(os.path.join(cmp.folder(sweep.out, cmp.BUDGETS[0], "sum", 1), "summary.json"))
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "table.md")).read()
+    rows = [r for r in table.splitlines() if r.startswith(f"| {cmp.BUDGETS[0]} |")]
+    assert rows and all(r.split(" | ")[2] == "1" for r in rows)  # seed 0 only in that budget
+    assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table
