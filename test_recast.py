@@ -481,8 +481,9 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path / "taken") == ["args.json"]
 
 
-def run_patched(tmp_path, patch: str, *flags, timeout=300):
-    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run."""
+def run_patched(tmp_path, patch: str, *flags, timeout=1800):
+    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run. The
+    timeout only catches a hang: a tiny run takes about a minute alone, many on a loaded machine."""
     script = tmp_path / "run_patched.py"
     script.write_text(
         f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\nimport rewards\nimport recast\n"
@@ -567,7 +568,7 @@ def test_sigint_finishes_the_epoch_checkpoints_and_resumes(tmp_path):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=900)  # a hang guard: one epoch, on a loaded machine
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "--resume" in stdout
     done = metrics_of(out)[-1]["epoch"]
