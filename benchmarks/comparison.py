@@ -39,6 +39,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -109,7 +110,7 @@ def archive(args) -> None:
     print(f"{len(records)} runs in {args.archive}")
 
 
-def run_one(path: str, lam: str, arm: str, seed: int, deadline: float) -> None:
+def run_one(path: str, lam: str, arm: str, seed: int, deadline: float, bar: tqdm) -> None:
     """One recast.py run, resumed if a previous sitting left it unfinished; skipped when finished
     or when the sitting's time is up."""
     if done(path) or time.monotonic() > deadline:
@@ -122,7 +123,8 @@ def run_one(path: str, lam: str, arm: str, seed: int, deadline: float) -> None:
                               env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
     if code:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}); see {path}.log")
-    print(f"done: {os.path.basename(path)}", flush=True)
+    bar.set_postfix_str(f"last: {os.path.basename(path)}", refresh=False)
+    bar.update(1)
 
 
 def run(args) -> None:
@@ -131,8 +133,9 @@ def run(args) -> None:
     left = sum(not done(folder(args.out, *key)) for key in plan)
     print(f"{len(plan)} runs, {left} to go; two at a time", flush=True)
     deadline = time.monotonic() + 60 * args.stop_after
-    with ThreadPoolExecutor(2) as pool:
-        jobs = [pool.submit(run_one, folder(args.out, *key), *key, deadline) for key in plan]
+    bar = tqdm(total=len(plan), initial=len(plan) - left, unit="run", smoothing=0)
+    with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
+        jobs = [pool.submit(run_one, folder(args.out, *key), *key, deadline, bar) for key in plan]
         for job in jobs:
             job.result()
     archive(args)

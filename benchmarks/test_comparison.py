@@ -91,3 +91,21 @@ def test_an_unfinished_seed_is_left_out(sweep):
     rows = [r for r in table.splitlines() if r.startswith(f"| {cmp.BUDGETS[0]} |")]
     assert rows and all(r.split(" | ")[2] == "1" for r in rows)  # seed 0 only in that budget
     assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table
+
+
+def test_run_skips_finished_runs_and_starts_none_after_the_deadline(sweep, monkeypatch):
+    import types
+
+    started = []
+    fake = lambda cmd, **kw: started.append(cmd) or types.SimpleNamespace(returncode=0)  # noqa: E731
+    monkeypatch.setattr(cmp.subprocess, "run", fake)
+    unfinished = cmp.folder(sweep.out, cmp.BUDGETS[0], "sum", 1)
+    os.remove(os.path.join(unfinished, "summary.json"))
+    sweep.stop_after = 0.0  # the sitting is over before it starts: nothing new is started
+    cmp.run(sweep)
+    assert started == []
+    assert len(cmp.read_archive(sweep.archive)) == 59  # every finished run, archived
+    sweep.stop_after = 60.0
+    cmp.run(sweep)
+    assert len(started) == 1 and started[0][started[0].index("--out") + 1] == unfinished
+    assert started[0][started[0].index("--weighting") + 1] == "sum"
