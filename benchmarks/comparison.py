@@ -110,19 +110,19 @@ def archive(args) -> None:
     print(f"{len(records)} runs in {args.archive}")
 
 
-def run_one(path: str, lam: str, arm: str, seed: int, deadline: float, bar: tqdm) -> None:
-    """One recast.py run, resumed if a previous sitting left it unfinished; skipped when finished
-    or when the sitting's time is up."""
+def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar) -> None:
+    """One run of code/recast.py, resumed if a previous sitting left it unfinished; skipped when
+    finished or when the sitting's time is up. `bar` counts the finished runs."""
     if done(path) or time.monotonic() > deadline:
         return
-    cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", lam, *ARMS[arm]]
+    cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *ARMS[arm]]
     cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
     cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
     with open(path + ".log", "a") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
-    if code:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {code}); see {path}.log")
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=code,
+                            env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
+    if rc:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {path}.log")
     bar.set_postfix_str(f"last: {os.path.basename(path)}", refresh=False)
     bar.update(1)
 
@@ -131,11 +131,12 @@ def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     plan = [(lam, arm, s) for s in range(args.seeds) for lam in BUDGETS for arm in ARMS]
     left = sum(not done(folder(args.out, *key)) for key in plan)
-    print(f"{len(plan)} runs, {left} to go; two at a time", flush=True)
+    print(f"{len(plan)} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
     deadline = time.monotonic() + 60 * args.stop_after
     bar = tqdm(total=len(plan), initial=len(plan) - left, unit="run", smoothing=0)
     with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
-        jobs = [pool.submit(run_one, folder(args.out, *key), *key, deadline, bar) for key in plan]
+        jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar)
+                for key in plan]  # fmt: skip
         for job in jobs:
             job.result()
     archive(args)
@@ -310,6 +311,9 @@ if __name__ == "__main__":
     ap.add_argument("cmd", choices=["run", "report", "archive"])
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
+    ap.add_argument("--code", default=ROOT,
+                    help="the checkout whose recast.py `run` runs: a sweep keeps one commit from "
+                         "its first run to its last (docs/results.md names it)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip

@@ -48,7 +48,9 @@ def sweep(tmp_path):
         for arm in cmp.ARMS:
             for seed in (0, 1):
                 fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
-    return argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2)
+    return argparse.Namespace(
+        out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2, code=cmp.ROOT
+    )
 
 
 def test_verdict_is_the_pre_registered_rule():
@@ -105,7 +107,8 @@ def test_run_skips_finished_runs_and_starts_none_after_the_deadline(sweep, monke
     cmp.run(sweep)
     assert started == []
     assert len(cmp.read_archive(sweep.archive)) == 59  # every finished run, archived
-    sweep.stop_after = 60.0
+    sweep.stop_after, sweep.code = 60.0, "/pinned/checkout"  # --code: the commit a sweep keeps
     cmp.run(sweep)
-    assert len(started) == 1 and started[0][started[0].index("--out") + 1] == unfinished
+    assert len(started) == 1 and started[0][1] == "/pinned/checkout/recast.py"
+    assert started[0][started[0].index("--out") + 1] == unfinished
     assert started[0][started[0].index("--weighting") + 1] == "sum"
