@@ -21,7 +21,7 @@ import plots  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 import toyworld as tw  # noqa: E402
-from kernels.renyi import renyi_gains  # noqa: E402
+from kernels.renyi import gain_profiles, renyi_gains  # noqa: E402
 
 
 def base_profiles(
@@ -46,7 +46,7 @@ def base_profiles(
     final = recast.score_all(fns, x0, per_image)
     scores = recast.trajectory_scores(fns, world.decode, preds, final, per_image)
     D, gains = renyi_gains(scores, group_size, alpha)
-    return names, D, gains, recast.gain_profiles(gains, floor), scores
+    return names, D, gains, gain_profiles(gains, floor), scores
 
 
 def report(out_dir: str) -> None:
