@@ -222,7 +222,16 @@ def report(args) -> None:
             cells += [f"{statistics.median(e for e, _ in reach):.0f}",
                       f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
-    lines = ["# The comparison (docs/results.md has the protocol)", "", *rows, ""]
+    lines = ["# The comparison (docs/results.md has the protocol)", ""]
+    partial = min(len(ss) for ss in seeds.values()) < args.seeds
+    if partial:  # the protocol decides on every seed: a part of them decides nothing
+        have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in BUDGETS)
+        note = (
+            f"**Partial, not a result:** finished seeds per budget ({have}) of the "
+            f"{args.seeds} the protocol decides on; every verdict below is provisional."
+        )
+        lines += [note, ""]
+    lines += [*rows, ""]
     lines.append("Across the budgets (arm beats uniform: wins in ≥ 3 budgets and loses in none):")
     lines.append("")
     for a, ds in summary.items():
@@ -233,7 +242,8 @@ def report(args) -> None:
         beats = words.count("win") >= 3 and "loss" not in words
         mean_diff = statistics.fmean(d for d, _ in ds)
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
-                     f"{'beats' if beats else 'does not beat'} uniform")  # fmt: skip
+                     f"{'beats' if beats else 'does not beat'} uniform"
+                     + (" (so far)" if partial else ""))  # fmt: skip
     ses = [se for se in (s for _, s in summary["recast-tau1"]) if se == se]
     if ses:
         lines.append(f"\nResolvable difference (2 × the median paired SE of recast-tau1 over the "

@@ -71,6 +71,7 @@ def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
     lost = "- reversed-tau0.25: 0 win, 0 tie, 5 loss, 0 n/a; mean paired difference -0.110; does"
     assert lost in table
     assert "- sum: 0 win, 5 tie, 0 loss" in table
+    assert "Partial" not in table and "so far" not in table  # every seed of the protocol is done
     # epochs to 90 % of uniform's final gap: uniform reaches it at its last eval, reversed never
     row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | reversed"))
     assert row.endswith("| inf | inf |"), row
@@ -92,7 +93,8 @@ def test_an_unfinished_seed_is_left_out(sweep):
     table = open(os.path.join(sweep.out, "table.md")).read()
     rows = [r for r in table.splitlines() if r.startswith(f"| {cmp.BUDGETS[0]} |")]
     assert rows and all(r.split(" | ")[2] == "1" for r in rows)  # seed 0 only in that budget
-    assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table
+    assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table and "(so far)" in table
+    assert "**Partial, not a result:** finished seeds per budget (0.4,0.2,0.2,0.2: 1, " in table
 
 
 def test_run_skips_finished_runs_and_starts_none_after_the_deadline(sweep, monkeypatch):
