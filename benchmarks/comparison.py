@@ -73,6 +73,11 @@ def done(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "summary.json"))
 
 
+def plan(seeds: int) -> list[tuple[str, str, int]]:
+    """Every (budget, arm, seed), seed by seed: the order `run` starts them in."""
+    return [(lam, arm, s) for s in range(seeds) for lam in BUDGETS for arm in ARMS]
+
+
 def compact(lines: list[dict]) -> list[dict]:
     """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*), at
     each eval the held-out scores and gaps, and the last eval's W."""
@@ -98,10 +103,7 @@ def archive(args) -> None:
     """Add every finished run's compact record to the archive (a run already there is replaced
     by its folder's, which is the same run)."""
     records = read_archive(args.archive)
-    for lam, arm, s in ((lam, a, s) for s in range(args.seeds) for lam in BUDGETS for a in ARMS):
-        path = folder(args.out, lam, arm, s)
-        if done(path):
-            records[os.path.basename(path)] = compact(read_metrics(path))
+    records.update({os.path.basename(folder(args.out, *k)): v for k, v in finished(args).items()})
     os.makedirs(os.path.dirname(args.archive), exist_ok=True)
     with open(args.archive + ".tmp", "w") as f:
         for name in sorted(records):
@@ -129,14 +131,14 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    plan = [(lam, arm, s) for s in range(args.seeds) for lam in BUDGETS for arm in ARMS]
-    left = sum(not done(folder(args.out, *key)) for key in plan)
-    print(f"{len(plan)} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
+    keys = plan(args.seeds)
+    left = sum(not done(folder(args.out, *key)) for key in keys)
+    print(f"{len(keys)} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
     deadline = time.monotonic() + 60 * args.stop_after
-    bar = tqdm(total=len(plan), initial=len(plan) - left, unit="run", smoothing=0)
+    bar = tqdm(total=len(keys), initial=len(keys) - left, unit="run", smoothing=0)
     with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
         jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar)
-                for key in plan]  # fmt: skip
+                for key in keys]  # fmt: skip
         for job in jobs:
             job.result()
     archive(args)
@@ -178,7 +180,7 @@ def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
 def finished(args) -> dict[tuple, list[dict]]:
     """(budget, arm, seed) → compact lines of every finished run: its folder, else the archive."""
     kept, res = read_archive(args.archive), {}
-    for key in ((lam, a, s) for lam in BUDGETS for a in ARMS for s in range(args.seeds)):
+    for key in plan(args.seeds):
         path = folder(args.out, *key)
         if done(path):
             res[key] = compact(read_metrics(path))
