@@ -11,7 +11,8 @@ prompts and noise in its first epoch), held-out eval every 2 epochs for the curv
     python benchmarks/comparison.py archive                  # finished runs → docs/comparison/
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
-early leaves whole seeds; finished runs are skipped and an interrupted one resumes. --stop-after
+early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
+interrupted one resumes. --stop-after
 MINUTES starts no new run after that many minutes (the running ones finish). `report` uses every
 (budget, seed) whose six runs are finished and writes into --out: table.md (per budget and arm:
 final λ-weighted gap closed, the paired difference from uniform with its standard error and the
@@ -22,7 +23,8 @@ per arm and budget).
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
 with the code: `report` uses a run's folder when it exists and its archived record otherwise, so
-the tables and figures can be rebuilt without the run folders (gigabytes of checkpoints).
+the tables and figures can be rebuilt without the run folders (gigabytes of checkpoints), and
+`run` on another machine starts only the runs the archive lacks.
 """
 
 import argparse
@@ -114,8 +116,8 @@ def archive(args) -> None:
 
 def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar) -> None:
     """One run of code/recast.py, resumed if a previous sitting left it unfinished; skipped when
-    finished or when the sitting's time is up. `bar` counts the finished runs."""
-    if done(path) or time.monotonic() > deadline:
+    the sitting's time is up. `bar` counts the finished runs."""
+    if time.monotonic() > deadline:
         return
     cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *ARMS[arm]]
     cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
@@ -131,11 +133,14 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    keys = plan(args.seeds)
-    left = sum(not done(folder(args.out, *key)) for key in keys)
-    print(f"{len(keys)} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
+    kept = read_archive(args.archive)  # runs whose folders are gone (another machine) stay done
+    total = len(plan(args.seeds))
+    keys = [k for k in plan(args.seeds) if not done(folder(args.out, *k))]
+    keys = [k for k in keys if os.path.basename(folder(args.out, *k)) not in kept]
+    left = len(keys)
+    print(f"{total} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
     deadline = time.monotonic() + 60 * args.stop_after
-    bar = tqdm(total=len(keys), initial=len(keys) - left, unit="run", smoothing=0)
+    bar = tqdm(total=total, initial=total - left, unit="run", smoothing=0)
     with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
         jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar)
                 for key in keys]  # fmt: skip

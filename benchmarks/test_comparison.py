@@ -97,7 +97,7 @@ def test_an_unfinished_seed_is_left_out(sweep):
     assert "**Partial, not a result:** finished seeds per budget (0.4,0.2,0.2,0.2: 1, " in table
 
 
-def test_run_skips_finished_runs_and_starts_none_after_the_deadline(sweep, monkeypatch):
+def test_run_skips_finished_and_archived_runs_and_stops_at_the_deadline(sweep, monkeypatch):
     import types
 
     started = []
@@ -114,3 +114,8 @@ def test_run_skips_finished_runs_and_starts_none_after_the_deadline(sweep, monke
     assert len(started) == 1 and started[0][1] == "/pinned/checkout/recast.py"
     assert started[0][started[0].index("--out") + 1] == unfinished
     assert started[0][started[0].index("--weighting") + 1] == "sum"
+    # Another machine: the run folders are gone, the archive is not. Only the unfinished run,
+    # which the archive does not hold, is started again.
+    shutil.rmtree(os.path.join(sweep.out, "runs"))
+    cmp.run(sweep)
+    assert len(started) == 2 and started[1][started[1].index("--out") + 1] == unfinished
