@@ -16,7 +16,7 @@ pytest imports this file before any test module:
 
 On a GPU machine, `RECAST_TEST_DEVICE=cuda python -m pytest ...` leaves the interpreter off: the
 kernel tests then compile the kernels and run them on CUDA tensors, and the tiny-SD3 end-to-end
-test trains on CUDA (benchmarks/gpu_check.sh does this).
+test trains on CUDA (benchmarks/gpu_check.py does this).
 """
 
 import os

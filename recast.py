@@ -129,7 +129,7 @@ class Args:
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda if available)"""
     eval_every: int = 5
-    """epochs between evals (and always the first and last)"""
+    """epochs between evals (and always the base model before epoch 1, and the last epoch)"""
     eval_seeds: int = 4
     """images per held-out prompt at eval"""
     ckpt_every: int = 1

@@ -3,16 +3,16 @@
     python benchmarks/bench_kernels.py [--json results.json]
 
 On a GPU:
-- nft_loss forward+backward, with v_ref and κ = 1e-4 as in training, at three sizes: toy
-  (N = 128 images of 3×32×32, fp32), SD3.5-Medium at 512 px (N = 16 latents of 16×64×64, bf16) and
-  at 1024 px (16 × 16×128×128, bf16). Each size is first checked for correctness on the GPU (loss
-  and gradient against the float64 reference, with the tests' rule). Then, for the kernel, the
-  eager reference, torch.compile(dynamic=False) of the reference (a fresh compilation per size,
-  of the reference without its input checks) and a same-size copy (a copy_ moving the bytes that
-  must move: each input read once, the gradient written once): the median time with p20–p80 from
-  triton.testing.do_bench, the kernel-only time per call from torch.profiler (the sum of the
-  device time of the kernels launched, and their number), GB/s against the bytes that must move,
-  the fraction of the copy's bandwidth, speed-ups over eager and compiled, host syncs per call
+- nft_loss forward+backward, with v_ref and κ = 1e-4 (DiffusionNFT's SD3.5 setting), at three sizes:
+  toy (N = 128 images of 3×32×32, fp32), SD3.5-Medium at 512 px (N = 16 latents of 16×64×64, bf16)
+  and at 1024 px (16 × 16×128×128, bf16). Each size is first checked for correctness on the GPU
+  (loss and gradient against the float64 reference, with the tests' rule). Then, for the kernel, the
+  eager reference, torch.compile(dynamic=False) of the reference (a fresh compilation per size, of
+  the reference without its input checks) and a same-size copy (a copy_ moving the bytes that must
+  move: each input read once, the gradient written once): the median time with p20–p80 from
+  triton.testing.do_bench, the kernel-only time per call from torch.profiler (the sum of the device
+  time of the kernels launched, and their number), GB/s against the bytes that must move, the
+  fraction of the copy's bandwidth, speed-ups over eager and compiled, host syncs per call
   (torch.cuda.set_sync_debug_mode) and peak extra memory.
 - renyi_gains against the eager (float64) reference for K = 4, T ∈ {10, 25, 40}, N ∈ {512, 4096}
   (rounded up to whole groups), G ∈ {8, 24}, after a correctness check of each.

@@ -26,9 +26,9 @@ On the shipped toy base model (θ = θ_old = base), CPU, deterministic given --s
 lr 5e-5 (5e-5·√2.3 M ≈ 0.076). At the smoke-test size the own-effect profiles of δ = 1e-4 and 3e-4
 had rank correlations ≥ 0.98 for every reward; 1e-3 gave 0.76 and 0.68 for colour and sharpness
 (the step against the update hurt more than the step along it helped), 3e-5 was noisy (0.87, 0.79).
-Time at the default size, estimated (not run): 81 samplings of 32 × 4 = 128 held-out images at
-4.3 s each on one thread (measured), 10 × 4 s of gradients: about 7 minutes on this 2-core machine
-alone, roughly twice that beside two training runs.
+Time at the default size: 81 samplings of 32 × 4 = 128 held-out images at 4.3 s each on one thread,
+10 × 4 s of gradients; the run of docs/results.md took 9 minutes on one core beside two training
+runs.
 """
 
 import argparse

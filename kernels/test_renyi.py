@@ -43,8 +43,8 @@ def make_scores(n_rewards, n_steps, n_groups, group_size, seed=0, flat_group=Tru
 
 
 def divergence_ulps(alpha: float) -> float:
-    """How many fp32 ulp of error per unit of log-ratio the divergence amplifies: 1/|α - 1| of
-    the log-sum-exp (α·ℓ of up to |log 1e-4| ≈ 9.2), or 1 for the KL form."""
+    """How much the divergence amplifies an fp32 ulp of error in the log-sum-exp (α·ℓ of up to
+    |log 1e-4| ≈ 9.2, with the 1/|α - 1| in front): (1 + α)/|α - 1|, or 1 for the KL form."""
     return 1.0 if alpha == 1.0 else (1 + alpha) / abs(alpha - 1)
 
 
