@@ -12,13 +12,12 @@ prompts and noise in its first epoch), held-out eval every 2 epochs for the curv
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
-interrupted one resumes. --stop-after
-MINUTES starts no new run after that many minutes (the running ones finish). `report` uses every
-(budget, seed) whose six runs are finished and writes into --out: table.md (per budget and arm:
-final λ-weighted gap closed, the paired difference from uniform with its standard error and the
-verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's final gap), curves.png,
-dose.png (gain over uniform against the arm, reversed at the far end) and weights.png (mean final W
-per arm and budget).
+interrupted one resumes. --stop-after MINUTES starts no new run after that many minutes (the running
+ones finish). `report` uses every (budget, seed) whose six runs are finished and writes into --out:
+table.md (per budget and arm: final λ-weighted gap closed, the paired difference from uniform with
+its standard error and the verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's
+final gap), curves.png, dose.png (gain over uniform against the arm, reversed at the far end) and
+weights.png (mean final W per arm and budget).
 
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
@@ -133,11 +132,9 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    kept = read_archive(args.archive)  # runs whose folders are gone (another machine) stay done
-    total = len(plan(args.seeds))
-    keys = [k for k in plan(args.seeds) if not done(folder(args.out, *k))]
-    keys = [k for k in keys if os.path.basename(folder(args.out, *k)) not in kept]
-    left = len(keys)
+    everything, have = plan(args.seeds), finished(args)  # a folder's or the archive's
+    keys = [key for key in everything if key not in have]
+    total, left = len(everything), len(keys)
     print(f"{total} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
     deadline = time.monotonic() + 60 * args.stop_after
     bar = tqdm(total=total, initial=total - left, unit="run", smoothing=0)
