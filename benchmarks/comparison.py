@@ -63,6 +63,12 @@ JUDGES = list(ToyWorld.judge_names)
 EVAL_EVERY = 2
 
 
+PAIRS = [  # (a, b, why): paired comparisons besides "against uniform"
+    ("recast-tau0.25", "reversed-tau0.25", "placement control (pre-registered)"),
+    ("recast-tau0.5", "recast-tau1", "τ = 0.5 against τ = 1 (exploratory, not in the protocol)"),
+]
+
+
 def folder(out: str, lam: str, arm: str, seed: int) -> str:
     return os.path.join(out, "runs", f"{lam.replace(',', '_')}-{arm}-s{seed}")
 
@@ -248,6 +254,17 @@ def report(args) -> None:
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
                      f"{'beats' if beats else 'does not beat'} uniform"
                      + (" (so far)" if partial else ""))  # fmt: skip
+    lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
+    for a, b, why in PAIRS:
+        for lam in (lam for lam in BUDGETS if seeds[lam]):
+            d, se = paired(*([fin[lam, x, s]["gap/weighted"] for s in seeds[lam]] for x in (a, b)))
+            lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
+    lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
+              "three evals (mean over seeds):", ""]  # fmt: skip
+    for lam in (lam for lam in BUDGETS if seeds[lam]):
+        late = [[m["gap/weighted"] for m in evals(res[lam, "uniform", s])[-3:]] for s in seeds[lam]]
+        steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
+        lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
     ses = [se for se in (s for _, s in summary["recast-tau1"]) if se == se]
     if ses:
         lines.append(f"\nResolvable difference (2 × the median paired SE of recast-tau1 over the "

@@ -77,6 +77,13 @@ def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
     assert row.endswith("| inf | inf |"), row
     row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | uniform"))
     assert row.endswith("| 4 | 12 |"), row  # 4 epochs of 3 s
+    # the placement control, paired within seeds: recast-tau0.25 − reversed: +0.110 and +0.131
+    placed = "- placement control (pre-registered), λ = 0.2,0.2,0.2,0.4: recast-tau0.25 − "
+    assert placed + "reversed-tau0.25 = +0.121 ± 0.010, win" in table
+    explore = "λ = 0.4,0.2,0.2,0.2: recast-tau0.5 − recast-tau1 = -0.050 ± 0.030, tie"
+    assert explore in table
+    # uniform's gap rises linearly: from epoch 2 to 4 it gains half its final value
+    assert "- λ = 0.4,0.2,0.2,0.2: +0.155" in table  # seeds 0, 1: (0.30 − 0.15, 0.32 − 0.16)
     for figure in ("curves.png", "dose.png", "weights.png"):
         assert os.path.getsize(os.path.join(sweep.out, figure)) > 0
 
