@@ -16,8 +16,9 @@ interrupted one resumes. --stop-after MINUTES starts no new run after that many 
 ones finish). `report` uses every (budget, seed) whose six runs are finished and writes into --out:
 table.md (per budget and arm: final λ-weighted gap closed, the paired difference from uniform with
 its standard error and the verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's
-final gap), curves.png, dose.png (gain over uniform against the arm, reversed at the far end) and
-weights.png (mean final W per arm and budget).
+final gap; then the placement control recast-tau0.25 − reversed, the exploratory τ = 0.5 − τ = 1
+and uniform's last eval-to-eval changes), curves.png, dose.png (gain over uniform against the arm,
+reversed at the far end) and weights.png (mean final W per arm and budget).
 
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
