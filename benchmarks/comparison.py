@@ -207,23 +207,23 @@ def report(args) -> None:
         return
     res = {(lam, a, s): res[lam, a, s] for lam in BUDGETS for a in ARMS for s in seeds[lam]}
     fin = {k: evals(v)[-1] for k, v in res.items()}
+    budgets = [lam for lam in BUDGETS if seeds[lam]]
+    gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
+           for lam in budgets for a in ARMS}  # fmt: skip
     rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
             + " | ".join(NAMES) + " | " + " | ".join(JUDGES)
             + " | epochs to 90% of uniform | seconds to 90% |",
             "|---" * (10 + len(NAMES) + len(JUDGES) - 2) + "|"]  # fmt: skip
     summary = {a: [] for a in ARMS}  # (diff, se) per budget
-    for lam in BUDGETS:
+    for lam in budgets:
         ss = seeds[lam]
-        if not ss:
-            continue
-        gap = {a: [fin[lam, a, s]["gap/weighted"] for s in ss] for a in ARMS}
-        target = 0.9 * statistics.fmean(gap["uniform"])
+        target = 0.9 * statistics.fmean(gap[lam, "uniform"])
         for a in ARMS:
-            diff, se = paired(gap[a], gap["uniform"])
+            diff, se = paired(gap[lam, a], gap[lam, "uniform"])
             if a != "uniform":
                 summary[a].append((diff, se))
             reach = [to_reach(res[lam, a, s], target) for s in ss]
-            cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[a])),
+            cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[lam, a])),
                      "" if a == "uniform" else f"{diff:+.3f} ± {se:.3f}",
                      "" if a == "uniform" else verdict(diff, se)]  # fmt: skip
             cells += ["{:+.2f}".format(statistics.fmean(fin[lam, a, s][f"gap/{n}"] for s in ss))
@@ -257,12 +257,12 @@ def report(args) -> None:
                      + (" (so far)" if partial else ""))  # fmt: skip
     lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
     for a, b, why in PAIRS:
-        for lam in (lam for lam in BUDGETS if seeds[lam]):
-            d, se = paired(*([fin[lam, x, s]["gap/weighted"] for s in seeds[lam]] for x in (a, b)))
+        for lam in budgets:
+            d, se = paired(gap[lam, a], gap[lam, b])
             lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
     lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
               "three evals (mean over seeds):", ""]  # fmt: skip
-    for lam in (lam for lam in BUDGETS if seeds[lam]):
+    for lam in budgets:
         late = [[m["gap/weighted"] for m in evals(res[lam, "uniform", s])[-3:]] for s in seeds[lam]]
         steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
         lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
@@ -278,13 +278,13 @@ def report(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(res, fin, seeds, summary, args)
+    plot(res, fin, gap, seeds, args)
     print("\n".join(lines))
     print(f"\nwrote {args.out}/table.md, curves.png, dose.png, weights.png")
 
 
-def plot(res, fin, seeds, summary, args) -> None:
-    budgets = [lam for lam in BUDGETS if seeds[lam]]
+def plot(res, fin, gap, seeds, args) -> None:
+    budgets = list(dict.fromkeys(lam for lam, _ in gap))
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
                              squeeze=False)  # fmt: skip
     for ax, lam in zip(axes[0], budgets, strict=True):
@@ -304,8 +304,7 @@ def plot(res, fin, seeds, summary, args) -> None:
     arms = [a for a in ARMS if a not in ("uniform", "sum")]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for j, lam in enumerate(budgets):
-        gap = {a: [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]] for a in ARMS}
-        ds = [paired(gap[a], gap["uniform"]) for a in arms]
+        ds = [paired(gap[lam, a], gap[lam, "uniform"]) for a in arms]
         x = [i + 0.08 * (j - 2) for i in range(len(arms))]
         ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
                     fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
