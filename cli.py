@@ -92,6 +92,11 @@ def check(args, world_size: int, resumable: set[str]) -> None:
             fail(flag_of(name), f"must be ≥ 1, got {getattr(args, name)}")
     if args.gain_every < 1:
         fail("--gain-every", f"must be ≥ 1, got {args.gain_every}")
+    if not 0 <= args.gain_shift < args.steps:
+        fail("--gain-shift", f"must be in [0, --steps) = [0, {args.steps}), got {args.gain_shift}")
+    if args.gain_shift and args.weighting in ("uniform", "sum"):
+        fail("--gain-shift", f"means nothing with --weighting {args.weighting} (no gains in W); "
+             "drop it or use --weighting recast")  # fmt: skip
     if args.epochs < 0:
         fail("--epochs", f"must be ≥ 0, got {args.epochs}")
     if args.group_size < 2:
@@ -124,7 +129,9 @@ def check(args, world_size: int, resumable: set[str]) -> None:
             fail("--resume", f"{args.out} is not a run (no args.json); drop --resume to start one")
         with open(saved) as f:
             before = json.load(f)
-        differ = [k for k, v in asdict(args).items() if k not in resumable and before.get(k) != v]
+        default = {f.name: f.default for f in fields(args)}  # a flag newer than the run: default
+        differ = [k for k, v in asdict(args).items()
+                  if k not in resumable and before.get(k, default[k]) != v]  # fmt: skip
         if differ:
             changes = ", ".join(
                 f"{flag_of(k)} {before.get(k)!r} → {getattr(args, k)!r}" for k in differ

@@ -73,6 +73,10 @@ class Args:
     0.5 beat uniform weighting, 0.25 did not; docs/results.md)"""
     floor: float = 0.1
     """share ε_f of each reward's profile spread evenly over the steps"""
+    gain_shift: int = 0
+    """W column i uses the gain of step i-S (DESIGN §4, alignment): 0 credits D_i+1 - D_i to
+    timestep i, 1 credits D_i - D_i-1; the first S columns get the static mix λ and the last S
+    gains are dropped (the last is ≈ 0 with an Euler sampler). recast/reversed only"""
     gain_ema: float = 0.8
     """EMA of the gains across epochs (0: this epoch's gains only)"""
     gain_every: int = 1
@@ -228,7 +232,7 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
         )
         metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
     if args.weighting in ("recast", "reversed"):
-        W = recast_weights(gains_ema, run.lam, args.tau, args.floor)
+        W = recast_weights(gains_ema, run.lam, args.tau, args.floor, args.gain_shift)
         return (W.flip(1) if args.weighting == "reversed" else W), gains_ema
     return (run.lam[:, None] / T).expand(K, T).float(), gains_ema
 
@@ -494,10 +498,16 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
     history.append(m)
     if run.rank == 0:
         checkpoint.append_metrics(args.out, m)
+        profiles = gain_profiles(gains_ema, args.floor, args.gain_shift)
         plots.save_weights_figure(
-            os.path.join(args.out, "W.png"), W, gain_profiles(gains_ema, args.floor), run.lam,
-            run.names, run.sigmas.cpu(), f"epoch {epoch}  ·  --weighting {args.weighting}",
-        )  # fmt: skip
+            os.path.join(args.out, "W.png"),
+            W,
+            profiles,
+            run.lam,
+            run.names,
+            run.sigmas.cpu(),
+            f"epoch {epoch}  ·  --weighting {args.weighting}",
+        )
         if run.tensorboard:
             run.tensorboard.epoch(m, args.out)
         if epoch % args.ckpt_every == 0 or last:

@@ -412,6 +412,13 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--log", "wandb"], "--log"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "beauty"], "--judges"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "shape,position"], "--judges"),  # trained on
+    (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "-1"], "--gain-shift"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "10"], "--gain-shift"),  # = --steps
+    (
+        ["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "uniform"],
+        "--gain-shift",
+    ),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "sum"], "--gain-shift"),
 ]
 
 

@@ -1,34 +1,48 @@
-"""When does timestep credit pay off? The pre-registered comparison of docs/results.md (toy world).
+"""When does timestep credit pay off? The pre-registered comparisons of docs/results.md (toy world).
 
-Arms (recast.py's defaults otherwise, the same for every arm): ReCAST at τ = 1, 0.5 and 0.25 (the
-dose: W concentrates as τ falls), uniform (W = λ/T), reversed (ReCAST's W at τ = 0.25 with its
-timesteps in reverse order: same marginals, credit in the wrong place) and sum (DiffusionNFT's
-single reward Σ λ_k s_k). Five budgets λ, seeds 0 … --seeds-1 (seed s gives every arm the same
-prompts and noise in its first epoch), held-out eval every 2 epochs for the curves.
+Two studies share one machinery and one archive (arms are recast.py's defaults otherwise, the same
+for every arm; five budgets λ; seeds 0 … --seeds-1, seed s giving every arm the same prompts and
+noise in its first epoch; held-out eval every 2 epochs for the curves):
 
-    python benchmarks/comparison.py run [--stop-after 150]   # resumable; two runs at a time
-    python benchmarks/comparison.py report                   # tables and figures of what is done
-    python benchmarks/comparison.py archive                  # finished runs → docs/comparison/
+- `--study tau` (the first comparison): ReCAST at τ = 1, 0.5 and 0.25 (the dose: W concentrates as
+  τ falls), uniform (W = λ/T), reversed (ReCAST's W at τ = 0.25 with its timesteps in reverse
+  order: same marginals, credit in the wrong place) and sum (DiffusionNFT's single reward
+  Σ λ_k s_k).
+- `--study shift` (the alignment comparison): ReCAST at τ = 1 with `--gain-shift` 1 and 2 (W
+  column i credited with gain g_i-S), paired against uniform and against ReCAST as shipped
+  (shift 0); uniform's and recast-tau1's runs are the first study's, once `reproduce` has shown
+  that this commit reproduces them.
+
+    python benchmarks/comparison.py run [--study shift] [--stop-after 150]  # resumable; 2 at once
+    python benchmarks/comparison.py report [--study shift]                  # tables and figures
+    python benchmarks/comparison.py archive              # finished runs → docs/comparison/
+    python benchmarks/comparison.py reproduce            # rerun two archived runs, compare
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
 interrupted one resumes. --stop-after MINUTES starts no new run after that many minutes (the running
-ones finish). `report` uses every (budget, seed) whose six runs are finished and writes into --out:
-table.md (per budget and arm: final λ-weighted gap closed, the paired difference from uniform with
-its standard error and the verdict, per-reward gaps, judges, epochs and seconds to 90% of uniform's
-final gap; then the placement control recast-tau0.25 − reversed, the exploratory τ = 0.5 − τ = 1
-and uniform's last eval-to-eval changes), curves.png, dose.png (gain over uniform against the arm,
-reversed at the far end) and weights.png (mean final W per arm and budget).
+ones finish). `report` uses every (budget, seed) whose runs of the study's arms are all finished and
+writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired difference
+from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and seconds
+to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same rule
+applied per budget to every training reward and both held-out judges; for the shift study the
+pre-registered decision; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
+uniform per arm) and weights.png (mean final W per arm and budget).
 
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
 with the code: `report` uses a run's folder when it exists and its archived record otherwise, so
 the tables and figures can be rebuilt without the run folders (gigabytes of checkpoints), and
 `run` on another machine starts only the runs the archive lacks.
+
+`reproduce` reruns, with this checkout's recast.py, the archived runs named in REPRODUCE (one
+uniform, one recast-tau1) and prints the largest difference of any eval/gap value from the archive;
+it exits 1 when one exceeds REPRODUCE_TOL (the shift study's protocol: then both arms are rerun).
 """
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,16 +72,43 @@ ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ =
     "recast-tau0.25": ["--weighting", "recast", "--tau", "0.25"],
     "reversed-tau0.25": ["--weighting", "reversed", "--tau", "0.25"],
     "sum": ["--weighting", "sum"],
+    "recast-shift1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"],
+    "recast-shift2": ["--weighting", "recast", "--tau", "1", "--gain-shift", "2"],
 }
 NAMES = list(ToyWorld.reward_names)
 JUDGES = list(ToyWorld.judge_names)
 EVAL_EVERY = 2
 
 
-PAIRS = [  # (a, b, why): paired comparisons besides "against uniform"
-    ("recast-tau0.25", "reversed-tau0.25", "placement control (pre-registered)"),
-    ("recast-tau0.5", "recast-tau1", "τ = 0.5 against τ = 1 (exploratory, not in the protocol)"),
-]
+STUDIES = {  # study → its arms (uniform first: every arm is paired with it) and its other pairs
+    "tau": {
+        "arms": [
+            "uniform",
+            "recast-tau1",
+            "recast-tau0.5",
+            "recast-tau0.25",
+            "reversed-tau0.25",
+            "sum",
+        ],  # fmt: skip
+        "pairs": [  # (a, b, why)
+            ("recast-tau0.25", "reversed-tau0.25", "placement control (pre-registered)"),
+            (
+                "recast-tau0.5",
+                "recast-tau1",
+                "τ = 0.5 against τ = 1 (exploratory, not in the protocol)",
+            ),  # fmt: skip
+        ],
+    },
+    "shift": {
+        "arms": ["uniform", "recast-tau1", "recast-shift1", "recast-shift2"],
+        "pairs": [
+            ("recast-shift1", "recast-tau1", "shift 1 against shift 0 (pre-registered, decides)"),
+            ("recast-shift2", "recast-tau1", "shift 2 against shift 0 (pre-registered, decides)"),
+        ],
+    },
+}
+REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
+REPRODUCE_TOL = 1e-5  # the shift study's protocol (docs/results.md)
 
 
 def folder(out: str, lam: str, arm: str, seed: int) -> str:
@@ -81,9 +122,9 @@ def done(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "summary.json"))
 
 
-def plan(seeds: int) -> list[tuple[str, str, int]]:
+def plan(seeds: int, arms: list[str]) -> list[tuple[str, str, int]]:
     """Every (budget, arm, seed), seed by seed: the order `run` starts them in."""
-    return [(lam, arm, s) for s in range(seeds) for lam in BUDGETS for arm in ARMS]
+    return [(lam, arm, s) for s in range(seeds) for lam in BUDGETS for arm in arms]
 
 
 def compact(lines: list[dict]) -> list[dict]:
@@ -111,7 +152,8 @@ def archive(args) -> None:
     """Add every finished run's compact record to the archive (a run already there is replaced
     by its folder's, which is the same run)."""
     records = read_archive(args.archive)
-    records.update({os.path.basename(folder(args.out, *k)): v for k, v in finished(args).items()})
+    done_here = finished(args, list(ARMS))  # every study's runs share one runs/ folder
+    records.update({os.path.basename(folder(args.out, *k)): v for k, v in done_here.items()})
     os.makedirs(os.path.dirname(args.archive), exist_ok=True)
     with open(args.archive + ".tmp", "w") as f:
         for name in sorted(records):
@@ -139,10 +181,12 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    everything, have = plan(args.seeds), finished(args)  # a folder's or the archive's
+    arms = STUDIES[args.study]["arms"]
+    everything, have = plan(args.seeds, arms), finished(args, arms)  # a folder's or the archive's
     keys = [key for key in everything if key not in have]
     total, left = len(everything), len(keys)
-    print(f"{total} runs, {left} to go; two at a time; recast.py of {args.code}", flush=True)
+    print(f"study {args.study}: {total} runs, {left} to go; two at a time; recast.py of "
+          f"{args.code}", flush=True)  # fmt: skip
     deadline = time.monotonic() + 60 * args.stop_after
     bar = tqdm(total=total, initial=total - left, unit="run", smoothing=0)
     with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
@@ -186,10 +230,11 @@ def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
     return float("inf"), float("inf")
 
 
-def finished(args) -> dict[tuple, list[dict]]:
-    """(budget, arm, seed) → compact lines of every finished run: its folder, else the archive."""
+def finished(args, arms: list[str]) -> dict[tuple, list[dict]]:
+    """(budget, arm, seed) → compact lines of every finished run of `arms`: its folder, else the
+    archive."""
     kept, res = read_archive(args.archive), {}
-    for key in plan(args.seeds):
+    for key in plan(args.seeds, arms):
         path = folder(args.out, *key)
         if done(path):
             res[key] = compact(read_metrics(path))
@@ -198,27 +243,84 @@ def finished(args) -> dict[tuple, list[dict]]:
     return res
 
 
+METRICS = [f"gap/{n}" for n in NAMES] + [f"eval/{n}" for n in JUDGES]  # per reward, per judge
+
+
+def rule_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], dict[str, list[str]]]:
+    """The pre-registered rule applied per budget to every training reward's gap and every judge's
+    final score, a − b paired within seeds: one line per metric, and metric → verdict per budget."""
+    lines, words = [], {}
+    for metric in METRICS:
+        ds = [paired([fin[lam, a, s][metric] for s in seeds[lam]],
+                     [fin[lam, b, s][metric] for s in seeds[lam]]) for lam in budgets]  # fmt: skip
+        words[metric] = [verdict(d, se) for d, se in ds]
+        counts = ", ".join(f"{words[metric].count(w)} {w}" for w in ("win", "tie", "loss"))
+        each = "; ".join(
+            f"{d:+.3f} ± {se:.3f} {v}" for (d, se), v in zip(ds, words[metric], strict=True)
+        )
+        lines.append(f"- {a} − {b}, {metric}: {counts} ({each})")
+    return lines, words
+
+
+def beats(words: list[str]) -> bool:
+    """Across the budgets: wins in at least 3 and loses in none (both protocols)."""
+    return words.count("win") >= 3 and "loss" not in words
+
+
+def decide(gap, budgets, judge_words, partial: bool) -> list[str]:
+    """The shift study's rule, fixed before its runs: a shift becomes the default if it beats
+    recast-tau1 across the budgets and, for each judge, loses to uniform in no more budgets than
+    recast-tau1 does; of two that qualify, the larger mean gain over recast-tau1 wins."""
+    out, qualified = ["", "Decision (the shift study's pre-registered rule):", ""], {}
+    base_losses = {j: judge_words["recast-tau1"][f"eval/{j}"].count("loss") for j in JUDGES}
+    for arm in ("recast-shift1", "recast-shift2"):
+        ds = [paired(gap[lam, arm], gap[lam, "recast-tau1"]) for lam in budgets]
+        words, mean = [verdict(d, se) for d, se in ds], statistics.fmean(d for d, _ in ds)
+        losses = {j: judge_words[arm][f"eval/{j}"].count("loss") for j in JUDGES}
+        judged = all(losses[j] <= base_losses[j] for j in JUDGES)
+        if beats(words) and judged:
+            qualified[arm] = mean
+        verb = "beats" if beats(words) else "does not beat"
+        out.append(
+            f"- {arm} vs recast-tau1: {words.count('win')} win, {words.count('tie')} tie, "
+            f"{words.count('loss')} loss, mean {mean:+.3f} ({verb}); judges lost to uniform in "
+            + ", ".join(f"{j} {losses[j]} (recast-tau1 {base_losses[j]})" for j in JUDGES)
+            + f" budgets: {'qualifies' if arm in qualified else 'does not qualify'}"
+        )
+    best = max(qualified, key=qualified.get) if qualified else None
+    shift = ARMS[best][-1] if best else "0"
+    tail = " (so far: partial)" if partial else ""
+    out.append(
+        f"- default: --gain-shift {shift}"
+        + (f" ({best})" if best else " (none qualifies: unchanged)")
+        + tail
+    )
+    return out
+
+
 def report(args) -> None:
-    res = finished(args)
-    seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in ARMS)]
+    study = STUDIES[args.study]
+    arms, out_dir = study["arms"], os.path.join(args.out, args.study)
+    res = finished(args, arms)
+    seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
              for lam in BUDGETS}  # fmt: skip
     if not any(seeds.values()):
-        print("nothing finished yet: no (budget, seed) with all arms done")
+        print(f"study {args.study}: nothing finished yet: no (budget, seed) with all arms done")
         return
-    res = {(lam, a, s): res[lam, a, s] for lam in BUDGETS for a in ARMS for s in seeds[lam]}
+    res = {(lam, a, s): res[lam, a, s] for lam in BUDGETS for a in arms for s in seeds[lam]}
     fin = {k: evals(v)[-1] for k, v in res.items()}
     budgets = [lam for lam in BUDGETS if seeds[lam]]
     gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
-           for lam in budgets for a in ARMS}  # fmt: skip
+           for lam in budgets for a in arms}  # fmt: skip
     rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
             + " | ".join(NAMES) + " | " + " | ".join(JUDGES)
             + " | epochs to 90% of uniform | seconds to 90% |",
             "|---" * (10 + len(NAMES) + len(JUDGES) - 2) + "|"]  # fmt: skip
-    summary = {a: [] for a in ARMS}  # (diff, se) per budget
+    summary = {a: [] for a in arms}  # (diff, se) per budget
     for lam in budgets:
         ss = seeds[lam]
         target = 0.9 * statistics.fmean(gap[lam, "uniform"])
-        for a in ARMS:
+        for a in arms:
             diff, se = paired(gap[lam, a], gap[lam, "uniform"])
             if a != "uniform":
                 summary[a].append((diff, se))
@@ -233,7 +335,7 @@ def report(args) -> None:
             cells += [f"{statistics.median(e for e, _ in reach):.0f}",
                       f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
-    lines = ["# The comparison (docs/results.md has the protocol)", ""]
+    lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", ""]
     partial = min(len(ss) for ss in seeds.values()) < args.seeds
     if partial:  # the protocol decides on every seed: a part of them decides nothing
         have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in BUDGETS)
@@ -250,16 +352,25 @@ def report(args) -> None:
             continue
         words = [verdict(d, se) for d, se in ds]
         counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss", "n/a"))
-        beats = words.count("win") >= 3 and "loss" not in words
         mean_diff = statistics.fmean(d for d, _ in ds)
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
-                     f"{'beats' if beats else 'does not beat'} uniform"
+                     f"{'beats' if beats(words) else 'does not beat'} uniform"
                      + (" (so far)" if partial else ""))  # fmt: skip
     lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
-    for a, b, why in PAIRS:
+    for a, b, why in study["pairs"]:
         for lam in budgets:
             d, se = paired(gap[lam, a], gap[lam, b])
             lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
+    lines += ["", "Per training reward (gap closed) and per held-out judge (final score), the same "
+              "rule per budget (" + ", ".join(budgets) + "):", ""]  # fmt: skip
+    judge_words = {}
+    for a in arms[1:]:
+        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, "uniform")
+        lines += more
+    for a, b, _ in study["pairs"]:
+        lines += rule_lines(fin, seeds, budgets, a, b)[0]
+    if args.study == "shift":
+        lines += decide(gap, budgets, judge_words, partial)
     lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
               "three evals (mean over seeds):", ""]  # fmt: skip
     for lam in budgets:
@@ -275,20 +386,20 @@ def report(args) -> None:
         "\nBase model: " + ", ".join(f"{n} {base[f'eval/{n}']:+.3f}" for n in NAMES + JUDGES)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "table.md"), "w") as f:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(res, fin, gap, seeds, args)
+    plot(res, fin, gap, seeds, arms, out_dir)
     print("\n".join(lines))
-    print(f"\nwrote {args.out}/table.md, curves.png, dose.png, weights.png")
+    print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
 
 
-def plot(res, fin, gap, seeds, args) -> None:
+def plot(res, fin, gap, seeds, arms: list[str], out_dir: str) -> None:
     budgets = list(dict.fromkeys(lam for lam, _ in gap))
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
                              squeeze=False)  # fmt: skip
     for ax, lam in zip(axes[0], budgets, strict=True):
-        for a in ARMS:
+        for a in arms:
             curves = torch.tensor([[0.0] + [m["gap/weighted"] for m in evals(res[lam, a, s])]
                                    for s in seeds[lam]])  # fmt: skip
             epochs = [0] + [m["epoch"] for m in evals(res[lam, a, seeds[lam][0]])]
@@ -298,25 +409,25 @@ def plot(res, fin, gap, seeds, args) -> None:
     axes[0][0].set_ylabel("λ-weighted gap closed (mean)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "curves.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
     plt.close(fig)
 
-    arms = [a for a in ARMS if a not in ("uniform", "sum")]
+    dosed = [a for a in arms if a not in ("uniform", "sum")]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for j, lam in enumerate(budgets):
-        ds = [paired(gap[lam, a], gap[lam, "uniform"]) for a in arms]
-        x = [i + 0.08 * (j - 2) for i in range(len(arms))]
+        ds = [paired(gap[lam, a], gap[lam, "uniform"]) for a in dosed]
+        x = [i + 0.08 * (j - 2) for i in range(len(dosed))]
         ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
                     fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
     ax.axhline(0, color="grey", lw=0.6)
-    ax.set_xticks(range(len(arms)), arms, fontsize=8, rotation=15)
+    ax.set_xticks(range(len(dosed)), dosed, fontsize=8, rotation=15)
     ax.set_ylabel("gap closed − uniform's (± 2 SE)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "dose.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, "dose.png"), dpi=110)
     plt.close(fig)
 
-    shown = [a for a in ARMS if a != "sum"]
+    shown = [a for a in arms if a != "sum"]
     size = (2.4 * len(budgets), 1.5 * len(shown))
     fig, axes = plt.subplots(len(shown), len(budgets), figsize=size, squeeze=False)
     for i, a in enumerate(shown):
@@ -332,14 +443,56 @@ def plot(res, fin, gap, seeds, args) -> None:
                 ax.set_ylabel(a, fontsize=7)
     fig.suptitle("mean final W·T (timestep 0 = noise at the left; rows sum to λ·T)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "weights.png"), dpi=110)
+    fig.savefig(os.path.join(out_dir, "weights.png"), dpi=110)
     plt.close(fig)
+
+
+def reproduce(args) -> None:
+    """Rerun the REPRODUCE runs with --code's recast.py into OUT/reproduce/ and compare every
+    eval/gap value at every eval with the archive's; exit 1 beyond REPRODUCE_TOL."""
+    kept = read_archive(args.archive)
+    paths = [
+        os.path.join(args.out, "reproduce", os.path.basename(folder("", *k))) for k in REPRODUCE
+    ]
+    os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+    print(f"rerunning {len(paths)} archived runs with recast.py of {args.code}", flush=True)
+    with tqdm(total=len(paths), unit="run") as bar, ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_one, args.code, path, *key, math.inf, bar)
+                for path, key in zip(paths, REPRODUCE, strict=True) if not done(path)]  # fmt: skip
+        for job in jobs:
+            job.result()
+    worst = 0.0
+    for path in paths:
+        new, old = evals(compact(read_metrics(path))), evals(kept[os.path.basename(path)])
+        if len(new) != len(old):
+            raise SystemExit(f"{path}: {len(new)} evals, the archive has {len(old)}")
+        diffs = [
+            abs(a[k] - b[k])
+            for a, b in zip(new, old, strict=True)
+            for k in b
+            if k.startswith(("eval/", "gap/"))
+        ]
+        W = max(
+            abs(x - y)
+            for r, q in zip(new[-1]["W"], old[-1]["W"], strict=True)
+            for x, y in zip(r, q, strict=True)
+        )
+        print(f"{os.path.basename(path)}: {len(diffs)} eval/gap values, largest difference from "
+              f"the archive {max(diffs):.1e} (final W: {W:.1e})")  # fmt: skip
+        worst = max(worst, max(diffs))
+    ok = worst <= REPRODUCE_TOL
+    print(f"{'reproduced' if ok else 'NOT reproduced'}: largest difference {worst:.1e} "
+          f"{'≤' if ok else '>'} {REPRODUCE_TOL:g}")  # fmt: skip
+    if not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("cmd", choices=["run", "report", "archive"])
+    ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce"])
+    ap.add_argument("--study", choices=list(STUDIES), default="tau",
+                    help="which comparison: tau (the first) or shift (the alignment)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--code", default=ROOT,
@@ -349,4 +502,4 @@ if __name__ == "__main__":
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()
-    {"run": run, "report": report, "archive": archive}[args.cmd](args)
+    {"run": run, "report": report, "archive": archive, "reproduce": reproduce}[args.cmd](args)

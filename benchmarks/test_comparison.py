@@ -45,11 +45,11 @@ def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
 def sweep(tmp_path):
     out = tmp_path / "sweep"
     for j, lam in enumerate(cmp.BUDGETS):
-        for arm in cmp.ARMS:
+        for arm in cmp.STUDIES["tau"]["arms"]:
             for seed in (0, 1):
                 fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
     return argparse.Namespace(
-        out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2, code=cmp.ROOT
+        out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2, code=cmp.ROOT, study="tau"
     )
 
 
@@ -62,7 +62,7 @@ def test_verdict_is_the_pre_registered_rule():
 
 def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
     cmp.report(sweep)
-    table = open(os.path.join(sweep.out, "table.md")).read()
+    table = open(os.path.join(sweep.out, "tau", "table.md")).read()
     assert "- recast-tau1: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.055; beats" in (
         table
     )
@@ -85,19 +85,19 @@ def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
     # uniform's gap rises linearly: from epoch 2 to 4 it gains half its final value
     assert "- λ = 0.4,0.2,0.2,0.2: +0.155" in table  # seeds 0, 1: (0.30 − 0.15, 0.32 − 0.16)
     for figure in ("curves.png", "dose.png", "weights.png"):
-        assert os.path.getsize(os.path.join(sweep.out, figure)) > 0
+        assert os.path.getsize(os.path.join(sweep.out, "tau", figure)) > 0
 
     cmp.archive(sweep)
     shutil.rmtree(os.path.join(sweep.out, "runs"))
-    os.remove(os.path.join(sweep.out, "table.md"))
+    os.remove(os.path.join(sweep.out, "tau", "table.md"))
     cmp.report(sweep)
-    assert open(os.path.join(sweep.out, "table.md")).read() == table
+    assert open(os.path.join(sweep.out, "tau", "table.md")).read() == table
 
 
 def test_an_unfinished_seed_is_left_out(sweep):
     os.remove(os.path.join(cmp.folder(sweep.out, cmp.BUDGETS[0], "sum", 1), "summary.json"))
     cmp.report(sweep)
-    table = open(os.path.join(sweep.out, "table.md")).read()
+    table = open(os.path.join(sweep.out, "tau", "table.md")).read()
     rows = [r for r in table.splitlines() if r.startswith(f"| {cmp.BUDGETS[0]} |")]
     assert rows and all(r.split(" | ")[2] == "1" for r in rows)  # seed 0 only in that budget
     assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table and "(so far)" in table

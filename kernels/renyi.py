@@ -36,10 +36,11 @@ Gradient: none (the gains are statistics of the rollout; nothing is differentiat
 From gains to W (DESIGN §5; plain PyTorch, no kernel: K·T numbers)
 ------------------------------------------------------------------
 gain_profiles: p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T (negative gains clipped; a reward
-with no positive gain is flat). recast_weights(gains, lam, tau=1.0, floor=0.1): W (K, T), the
-Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums 1/T, in the log domain
-and float64, returned as fp32 on the CPU. So this one file takes a trainer from step scores to the
-W that kernels/nft_loss.py consumes.
+with no positive gain is flat). recast_weights(gains, lam, tau=1.0, floor=0.1, shift=0): W (K, T),
+the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums 1/T, in the log
+domain and float64, returned as fp32 on the CPU. shift S (shift_gains) credits g_k,i-S to column
+i instead of g_k,i: the alignment question of DESIGN §4. So this one file takes a trainer from
+step scores to the W that kernels/nft_loss.py consumes.
 
 Dtypes, launch and synchronisation
 ----------------------------------
@@ -377,25 +378,38 @@ def _launch(scores, group_size, alpha, adv_clip_max):
 # ---------------------------------------------------------------------------------------------
 # The weight matrix W (DESIGN §5): plain PyTorch on the host, float64, K·T numbers
 # ---------------------------------------------------------------------------------------------
-def gain_profiles(gains: torch.Tensor, floor: float = 0.1) -> torch.Tensor:
-    """p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T; a reward without positive gain is flat."""
-    g = gains.double().clamp(min=0)  # (K, T)
+def shift_gains(gains: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """The gains as W's columns read them: column i holds g_k,i-S (S = shift); the first S
+    columns get no gain and the last S gains are dropped. S = 0 returns `gains` itself."""
+    if not 0 <= shift < gains.shape[1]:
+        raise ValueError(f"shift must be in [0, T) = [0, {gains.shape[1]}), got {shift}")
+    if shift == 0:
+        return gains
+    return torch.cat([gains.new_zeros(gains.shape[0], shift), gains[:, :-shift]], 1)
+
+
+def gain_profiles(gains: torch.Tensor, floor: float = 0.1, shift: int = 0) -> torch.Tensor:
+    """p_k,i = (1 - ε_f)·g⁺_k,i-S / Σ_i g⁺_k,i-S + ε_f / T; a reward without positive gain is flat.
+    With shift S > 0 the first S columns hold the floor ε_f / T only (DESIGN §4, "alignment")."""
+    g = shift_gains(gains.double(), shift).clamp(min=0)  # (K, T)
     total = g.sum(1, keepdim=True)
     shape = torch.where(total > 0, g / total.clamp(min=1e-300), 1 / g.shape[1])
     return (1 - floor) * shape + floor / g.shape[1]
 
 
 def recast_weights(
-    gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1
+    gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1, shift: int = 0
 ) -> torch.Tensor:
     """W (K, T): the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums
     1/T, in the log domain — the entropic transport plan that puts each reward's budget where its
-    gains are. Rows with λ_k = 0 stay 0."""
+    gains are. Rows with λ_k = 0 stay 0. `shift` S credits gain g_k,i-S to column i (0: g_k,i);
+    a column with no gain (i < S) has the same profile ε_f / T for every reward, so its mix is λ
+    reweighted only by the row scalings (near λ)."""
     K, T = gains.shape
     lam = lam.double().cpu()
     lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
     live = lam > 0
-    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor)[live].log() / tau
+    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor, shift)[live].log() / tau
     log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
     u, v = torch.zeros(int(live.sum()), dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
     for _ in range(10_000):  # columns are exact after each sweep; stop when the rows are too

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import renyi
-from kernels.renyi import gain_profiles, recast_weights
+from kernels.renyi import gain_profiles, recast_weights, shift_gains
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -277,3 +277,50 @@ def test_zero_budget_reward_gets_no_weight():
     W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
     assert W[1].abs().max() == 0
     assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# --gain-shift S: W column i reads the gain of step i - S (DESIGN §4, alignment)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_shift_0_is_todays_w_bit_for_bit(seed):
+    g = _random_gains(seed)
+    assert torch.equal(recast_weights(g, LAM, shift=0), recast_weights(g, LAM))
+    assert torch.equal(gain_profiles(g, 0.1, shift=0), gain_profiles(g, 0.1))
+
+
+@pytest.mark.parametrize("shift", [1, 2, 5])
+def test_shifted_w_keeps_its_marginals_and_ignores_the_dropped_gains(shift):
+    g = _random_gains(shift)
+    W = recast_weights(g, LAM, shift=shift)
+    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+    # the columns with no gain have the same profile (the floor) for every reward, hence one mix:
+    # λ_k reweighted by Sinkhorn's row scalings only, near λ but not λ exactly
+    assert torch.allclose(W[:, :shift], W[:, :1].expand(4, shift), rtol=0, atol=1e-7)
+    assert torch.allclose(W[:, 0] * 10, LAM, atol=0.15)
+    # the last S gains are dropped: changing them changes nothing
+    other = g.clone()
+    other[:, -shift:] = torch.rand(4, shift) * 10
+    assert torch.equal(recast_weights(other, LAM, shift=shift), W)
+    assert not torch.allclose(W[:, shift:] * 10, LAM[:, None].expand(4, 10 - shift), atol=1e-3)
+
+
+def test_shift_1_moves_the_profile_one_column():
+    g = _random_gains(7)
+    g[:, -1] = 0  # Euler's last gain: nothing is dropped at the end
+    moved = gain_profiles(g, 0.1, shift=1)
+    today = gain_profiles(g, 0.1)
+    assert torch.allclose(moved[:, 1:], today[:, :-1], rtol=0, atol=1e-15)
+    assert torch.allclose(moved[:, 0], torch.full((4,), 0.1 / 10, dtype=moved.dtype))
+    assert torch.equal(shift_gains(g, 1)[:, 1:], g[:, :-1]) and (shift_gains(g, 1)[:, 0] == 0).all()
+    # and W is today's W of the moved gains (the column sums fix W's overall timing, so a shift
+    # moves the rewards relative to each other and to the first column, not all of them later)
+    assert torch.equal(recast_weights(g, LAM, shift=1), recast_weights(shift_gains(g, 1), LAM))
+
+
+def test_shift_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match="shift"):
+        shift_gains(_random_gains(0), 10)
+    with pytest.raises(ValueError, match="shift"):
+        shift_gains(_random_gains(0), -1)
