@@ -16,7 +16,9 @@ On the shipped toy base model (θ = θ_old = base), CPU, deterministic given --s
    of step 3 (its v_old is reused); column 0 left 0 and column T the final scores, as in
    trajectory_scores;
 6. Spearman ρ over i of the own effect effect[k, :, k] with (a) the trajectory gains, (b) the
-   trajectory gains one step earlier, effect[k, i+1] against gains[k, i], (c) the forward gains.
+   trajectory gains one step earlier, effect[k, i+1] against gains[k, i], (b2) two steps earlier,
+   effect[k, i+2] against gains[k, i] ((a), (b), (b2): the alignments of --gain-shift 0, 1, 2,
+   DESIGN §4), (c) the forward gains.
    Why (b) goes that way: x̂0_i = x_t_i - t_i·v(x_t_i, t_i) already holds the model's output at t_i
    (DESIGN §4), so what the model at t_i decides first shows in D_i, i.e. in g_i-1 = D_i - D_i-1.
    (b') the other way, effect[k, i] against gains[k, i+1], is printed beside it, for comparison.
@@ -157,10 +159,11 @@ def main(args) -> None:
     effect = (plus - minus) / (2 * args.delta)  # (k_dir, i, k_reward)
     own = torch.stack([effect[k, :, k] for k in range(K)])  # (K, T)
     curv = ((plus + minus - 2 * base) / (plus - minus).abs().clamp(min=1e-30)).abs()
-    rho = {
+    rho = {  # shift S: the effect at timestep i against g_i-S, the alignment of --gain-shift S
         n: {
             "a_same_step": spearman(own[k], gains[k]),
             "b_gains_one_step_earlier": spearman(own[k, 1:], gains[k, :-1]),
+            "b2_gains_two_steps_earlier": spearman(own[k, 2:], gains[k, :-2]),
             "b'_gains_one_step_later": spearman(own[k, :-1], gains[k, 1:]),
             "c_forward": spearman(own[k], gains_fwd[k]),
         }
@@ -173,8 +176,9 @@ def main(args) -> None:
     own_curv = torch.stack([curv[k, :, k] for k in range(K)]).median(1).values
     print(f"curvature |R⁺ + R⁻ - 2R| / |R⁺ - R⁻|: median {curv.median():.2f}; own effects per "
           f"reward {', '.join(f'{x:.2f}' for x in own_curv.tolist())}")  # fmt: skip
-    print("\n| reward | (a) ρ(effect_i, g_i) | (b) ρ(effect_i+1, g_i) | (b') ρ(effect_i, g_i+1) "
-          "| (c) ρ(effect_i, forward g_i) |\n|---|---|---|---|---|")  # fmt: skip
+    print("\n| reward | (a) shift 0: ρ(effect_i, g_i) | (b) shift 1: ρ(effect_i, g_i-1) "
+          "| (b2) shift 2: ρ(effect_i, g_i-2) | (b') ρ(effect_i, g_i+1) "
+          "| (c) ρ(effect_i, forward g_i) |\n|---|---|---|---|---|---|")  # fmt: skip
     for n, v in rho.items():
         print(f"| {n} | " + " | ".join(f"{x:+.2f}" for x in v.values()) + " |")
     print("\ncross effect Σ_i effect[k, i, j] (row k: gradient of reward k; column j: reward j)")
@@ -203,7 +207,8 @@ def main(args) -> None:
             ax.plot(range(T), unit_sum(row.double()).numpy(), marker="o", ms=3, label=label)
         ax.axhline(0, color="grey", lw=0.5)
         v = list(rho[n].values())
-        ax.set_title(f"{n}\nρ a {v[0]:+.2f}, b {v[1]:+.2f}, c {v[3]:+.2f}", fontsize=9)
+        ax.set_title(f"{n}\nρ shift 0 {v[0]:+.2f}, 1 {v[1]:+.2f}, 2 {v[2]:+.2f}; fwd {v[4]:+.2f}",
+                     fontsize=8)  # fmt: skip
         ax.set_xlabel("training timestep i (0 = pure noise)")
     axes[0].set_ylabel("profile (sums to 1)")
     axes[0].legend(fontsize=7)
