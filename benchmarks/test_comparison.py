@@ -19,7 +19,10 @@ OFFSETS = {
     "recast-tau0.25": (0.01, 0.011),  # mean +0.0105, SE 0.0005: a (small) win
     "reversed-tau0.25": (-0.10, -0.12),  # a loss
     "sum": (0.0, 0.0),  # identical to uniform: SE 0, difference 0, a tie
+    "recast-shift1": (0.08, 0.10),  # over recast-tau1: +0.03, +0.04, SE 0.005: a win
+    "recast-shift2": (0.10, 0.12),  # over recast-tau1: +0.05, +0.06: a larger win
 }
+IOU = {"recast-shift2": (-0.05, -0.06)}  # final iou's offset from every other arm's: a judge loss
 
 
 def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
@@ -32,6 +35,7 @@ def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
         m = {"epoch": epoch, "time/rollout": 1.0, "time/update": 2.0, "W": [[0.025] * 10] * 4}
         if epoch % 2 == 0:
             m.update({f"eval/{n}": -1.0 + epoch / 10 for n in names})
+            m["eval/iou"] += IOU.get(arm, (0.0, 0.0))[seed] * epoch / 4
             m.update({f"gap/{n}": epoch / 40 for n in names})
             m["gap/weighted"] = final * epoch / 4
         lines.append(m)
@@ -45,7 +49,7 @@ def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
 def sweep(tmp_path):
     out = tmp_path / "sweep"
     for j, lam in enumerate(cmp.BUDGETS):
-        for arm in cmp.STUDIES["tau"]["arms"]:
+        for arm in cmp.ARMS:
             for seed in (0, 1):
                 fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
     return argparse.Namespace(
@@ -115,7 +119,7 @@ def test_run_skips_finished_and_archived_runs_and_stops_at_the_deadline(sweep, m
     sweep.stop_after = 0.0  # the sitting is over before it starts: nothing new is started
     cmp.run(sweep)
     assert started == []
-    assert len(cmp.read_archive(sweep.archive)) == 59  # every finished run, archived
+    assert len(cmp.read_archive(sweep.archive)) == 79  # every finished run of both studies
     sweep.stop_after, sweep.code = 60.0, "/pinned/checkout"  # --code: the commit a sweep keeps
     cmp.run(sweep)
     assert len(started) == 1 and started[0][1] == "/pinned/checkout/recast.py"
@@ -126,3 +130,35 @@ def test_run_skips_finished_and_archived_runs_and_stops_at_the_deadline(sweep, m
     shutil.rmtree(os.path.join(sweep.out, "runs"))
     cmp.run(sweep)
     assert len(started) == 2 and started[1][started[1].index("--out") + 1] == unfinished
+
+
+def test_shift_study_prints_judge_lines_and_applies_the_decision_rule(sweep):
+    sweep.study = "shift"
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "shift", "table.md")).read()
+    assert "- recast-shift1: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.090; beats" in (
+        table
+    )
+    # the rule per budget on each training reward and judge, against uniform and recast-tau1
+    assert (
+        "- recast-shift2 − uniform, eval/iou: 0 win, 0 tie, 5 loss (-0.055 ± 0.005 loss;" in table
+    )
+    assert "- recast-shift1 − recast-tau1, eval/iou: 0 win, 5 tie, 0 loss" in table
+    assert "- recast-shift1 − uniform, gap/position: 0 win, 5 tie, 0 loss" in table
+    # shift 2 beats recast-tau1 by more, but loses iou in 5 budgets where recast-tau1 loses none
+    assert "- recast-shift1 vs recast-tau1: 5 win, 0 tie, 0 loss, mean +0.035 (beats)" in table
+    assert "iou 5 (recast-tau1 0) budgets: does not qualify" in table
+    assert "- default: --gain-shift 1 (recast-shift1)" in table
+    assert "recast-tau0.5" not in table  # the other study's arms stay out
+
+
+def test_shift_study_without_a_qualifier_keeps_the_default(sweep):
+    sweep.study = "shift"
+    for lam in cmp.BUDGETS:  # shift 1 now equals recast-tau1: ties everywhere
+        for seed in (0, 1):
+            path = cmp.folder(sweep.out, lam, "recast-shift1", seed)
+            shutil.rmtree(path)
+            shutil.copytree(cmp.folder(sweep.out, lam, "recast-tau1", seed), path)
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "shift", "table.md")).read()
+    assert "- default: --gain-shift 0 (none qualifies: unchanged)" in table
