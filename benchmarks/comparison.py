@@ -59,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.summarize import mean_std  # noqa: E402
+from benchmarks.summarize import mean_std, spearman  # noqa: E402
 from checkpoint import read_metrics  # noqa: E402
 from toyworld import ToyWorld  # noqa: E402
 
@@ -262,6 +262,13 @@ def rule_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], dict[str
     return lines, words
 
 
+def l1_from_uniform(W: list[list[float]], lam: str) -> float:
+    """Σ_k,i |W_k,i - λ_k/T|: 0 for uniform weighting, 2 at most."""
+    W = torch.tensor(W, dtype=torch.float64)
+    budgets = torch.tensor([float(x) for x in lam.split(",")], dtype=torch.float64)
+    return float((W - budgets[:, None] / budgets.sum() / W.shape[1]).abs().sum())
+
+
 def beats(words: list[str]) -> bool:
     """Across the budgets: wins in at least 3 and loses in none (both protocols)."""
     return words.count("win") >= 3 and "loss" not in words
@@ -371,6 +378,16 @@ def report(args) -> None:
         lines += rule_lines(fin, seeds, budgets, a, b)[0]
     if args.study == "shift":
         lines += decide(gap, budgets, judge_words, partial)
+    lines += ["", "Does W's distance from uniform predict the gain? Per budget: the mean final "
+              "W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
+              "uniform; Spearman ρ over the budgets:", ""]  # fmt: skip
+    for a in (a for a in arms if a.startswith("recast")):
+        far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
+               for lam in budgets]  # fmt: skip
+        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, "uniform"])
+                for lam in budgets]  # fmt: skip
+        each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))
+        lines.append(f"- {a}: {each}; ρ {spearman(far, gain):+.2f} over {len(budgets)} budgets")
     lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
               "three evals (mean over seeds):", ""]  # fmt: skip
     for lam in budgets:

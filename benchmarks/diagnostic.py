@@ -51,23 +51,9 @@ sys.path.insert(0, ROOT)
 
 import recast  # noqa: E402
 import rewards  # noqa: E402
+from benchmarks.summarize import spearman  # noqa: E402
 from kernels.nft_loss import reference_nft_loss  # noqa: E402
 from kernels.renyi import group_optimality, renyi_gains  # noqa: E402
-
-
-def spearman(x, y) -> float:
-    """Rank correlation; tied values share their mean rank; nan when either side is constant."""
-
-    def ranks(v):
-        v = torch.as_tensor(v, dtype=torch.float64).flatten()
-        r = v.argsort().argsort().double()
-        for u in v.unique():
-            r[v == u] = r[v == u].mean()
-        return r - r.mean()
-
-    a, b = ranks(x), ranks(y)
-    den = float(a.norm() * b.norm())
-    return float(a @ b) / den if den > 0 else float("nan")
 
 
 def unit_sum(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,21 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def spearman(x, y) -> float:
+    """Rank correlation; tied values share their mean rank; nan when either side is constant."""
+
+    def ranks(v):
+        v = torch.as_tensor(v, dtype=torch.float64).flatten()
+        r = v.argsort().argsort().double()
+        for u in v.unique():
+            r[v == u] = r[v == u].mean()
+        return r - r.mean()
+
+    a, b = ranks(x), ranks(y)
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else float("nan")
+
+
 def fmt(xs: list[float]) -> str:
     return "{:+.3f} ± {:.3f}".format(*mean_std(xs))
 
