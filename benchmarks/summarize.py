@@ -39,18 +39,36 @@ def fmt(xs: list[float]) -> str:
     return "{:+.3f} ± {:.3f}".format(*mean_std(xs))
 
 
+def read_args(run: str) -> dict:
+    with open(os.path.join(run, "args.json")) as f:
+        return json.load(f)
+
+
 def main(runs: list[str]) -> None:
     lines = [read_metrics(run) for run in runs]
     base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
     names = [k[5:] for k in base if k.startswith("eval/")]
-    print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs\n")
-    print("| | base model | final | fraction of the gap to the ideal closed | ideal rendering |")
-    print("|---|---|---|---|---|")
-    for n in names:
+    seeds = [read_args(run)["seed"] for run in runs]
+    print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs, and the "
+          "worst run (its --seed)\n")  # fmt: skip
+    print("| | base model | final | fraction of the gap to the ideal closed | worst | "
+          "ideal rendering |\n|---|---|---|---|---|---|")  # fmt: skip
+    for n in [*names, "weighted"]:
+        gaps = [m[f"gap/{n}"] for m in finals]
+        worst = min(range(len(runs)), key=gaps.__getitem__)
+        if n == "weighted":
+            print(f"| **λ-weighted** | | | **{fmt(gaps)}** | {gaps[worst]:+.3f} (seed "
+                  f"{seeds[worst]}) | |")  # fmt: skip
+            continue
         final = fmt([m[f"eval/{n}"] for m in finals])
-        gap = fmt([m[f"gap/{n}"] for m in finals])
-        print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {gap} | {base[f'ideal/{n}']:+.3f} |")
-    print(f"| **λ-weighted** | | | **{fmt([m['gap/weighted'] for m in finals])}** | |")
+        print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {fmt(gaps)} | {gaps[worst]:+.3f} "
+              f"(seed {seeds[worst]}) | {base[f'ideal/{n}']:+.3f} |")  # fmt: skip
+    print("\nabove the base model at the final eval, per reward and judge:")
+    for n in names:
+        up = [s for s, m in zip(seeds, finals, strict=True) if m[f"eval/{n}"] > base[f"eval/{n}"]]
+        down = [s for s in seeds if s not in up]
+        print(f"  {n} improves in {len(up)} of {len(runs)} runs"
+              + (f" (not in seed {', '.join(map(str, down))})" if down else ""))  # fmt: skip
     # W: its marginals, and where each reward's weight sits (centroid over timesteps)
     Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
     lam = Ws[0].sum(1)
@@ -58,8 +76,7 @@ def main(runs: list[str]) -> None:
         max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
     )
     cents = torch.stack([centroid(W) for W in Ws])  # (E, K)
-    with open(os.path.join(runs[0], "args.json")) as f:
-        rewards = json.load(f)["rewards"].split(",")
+    rewards = read_args(runs[0])["rewards"].split(",")
     print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
     print(
         "weight centroid (timestep, mean ± std over epochs): "
