@@ -84,6 +84,13 @@ def parse_lambda(text: str, names: list[str]) -> torch.Tensor:
     return lam / lam.sum()
 
 
+def given(argv: list[str] | None, names: list[str]) -> list[str]:
+    """The flags of `names` that appear on the command line `argv` (default: sys.argv)."""
+    argv = sys.argv[1:] if argv is None else argv
+    flags = [flag_of(n) for n in names]
+    return [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]
+
+
 def check(args, world_size: int, resumable: set[str]) -> None:
     """Ranges, divisibility, and the run folder: everything checkable before loading a model."""
     for name in ["prompts", "steps", "batch_size", "grad_accum", "eval_seeds", "eval_every",
@@ -115,6 +122,10 @@ def check(args, world_size: int, resumable: set[str]) -> None:
     for name in ["decay_rate", "kl_coef"]:
         if not 0 <= getattr(args, name) < math.inf:
             fail(flag_of(name), f"must be ≥ 0 and finite, got {getattr(args, name)}")
+    scored = max(1, round(args.gain_frac * (args.prompts // world_size))) * world_size
+    if args.profile and scored < 2:
+        fail("--prompts", f"--profile compares prompt groups and would score {scored}: give "
+             "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip
     if args.prompts % world_size or args.batch_size % world_size:
         fail("--prompts", f"--prompts and --batch-size must be multiples of {world_size} processes")
     if args.out and os.path.exists(args.out) and not args.resume:

@@ -24,12 +24,15 @@ def grid(images: torch.Tensor, cols: int) -> torch.Tensor:
     return out
 
 
-def save_weights_figure(path: str, W, profiles, lam, names, sigmas, title: str) -> None:
-    """Heatmap of W·T (rewards × timesteps) beside each reward's gain profile p_k."""
-    W, profiles = (
-        torch.as_tensor(W, dtype=torch.float64),
-        torch.as_tensor(profiles, dtype=torch.float64),
-    )
+def save_weights_figure(
+    path: str, W, profiles, lam, names, sigmas, title: str, spread=None
+) -> None:
+    """Heatmap of W·T (rewards × timesteps) beside each reward's gain profile p_k (± `spread`, a
+    (K, T) standard deviation, drawn as a band when given). `profiles` None (no step scored, as
+    with --weighting uniform or sum): the right panel says so."""
+    W = torch.as_tensor(W, dtype=torch.float64)
+    if profiles is not None:
+        profiles = torch.as_tensor(profiles, dtype=torch.float64)
     K, T = W.shape
     fig, (ax, bx) = plt.subplots(
         1, 2, figsize=(4 + 0.55 * T + 4.5, 1.0 + 0.5 * K + 1.2), width_ratios=[0.55 * T + 2, 4.5]
@@ -52,13 +55,24 @@ def save_weights_figure(path: str, W, profiles, lam, names, sigmas, title: str) 
     ax.set_xlabel("training timestep i  (t_i)")
     ax.set_title("W·T  (rows sum to λ·T, columns to 1)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.03)
-    for k, n in enumerate(names):
+    if profiles is None:
+        bx.text(0.5, 0.5, "no step predictions scored\n(W needs no gains)", ha="center",
+                va="center", transform=bx.transAxes, fontsize=9)  # fmt: skip
+        bx.set_axis_off()
+    for k, n in enumerate(names if profiles is not None else []):
         c = float(centroid(profiles[k]))
-        bx.plot(range(T), profiles[k].numpy(), marker="o", ms=3, label=f"{n} (centroid {c:.1f})")
+        line = bx.plot(
+            range(T), profiles[k].numpy(), marker="o", ms=3, label=f"{n} (centroid {c:.1f})"
+        )
+        bx.axvline(c, color=line[0].get_color(), lw=0.8, ls=":")
+        if spread is not None:
+            lo, hi = (profiles[k] - spread[k]).numpy(), (profiles[k] + spread[k]).numpy()
+            bx.fill_between(range(T), lo, hi, color=line[0].get_color(), alpha=0.2, lw=0)
     bx.set_xlabel("training timestep i  (0 = pure noise)")
     bx.set_ylabel("gain profile p_k,i")
     bx.set_title("where each reward is informative", fontsize=9)
-    bx.legend(fontsize=7)
+    if profiles is not None:
+        bx.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -42,7 +42,13 @@ import rewards
 import toyworld
 from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
-from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains
+from kernels.renyi import (
+    gain_profiles,
+    group_optimality,
+    recast_weights,
+    reference_renyi_gains,
+    renyi_gains,
+)
 from plots import centroid
 
 
@@ -65,7 +71,8 @@ class Args:
     # --- ReCAST ---
     weighting: str = "recast"
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
-    reversed (ReCAST's W with its timesteps in reverse order: a placement control)"""
+    reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
+    score no step prediction (DiffusionNFT's cost)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -141,10 +148,19 @@ class Args:
     """epochs between checkpoints (and always the last)"""
     log: str = "none"
     """none | tensorboard: also log to OUT/tensorboard (needs pip install tensorboard)"""
+    profile: bool = False
+    """train nothing: one rollout of the base model (or --resume's latest policy), its step
+    predictions scored, and where each reward is informative and the W that ReCAST would use
+    written to --out (profile.png, profile.json); see docs/anatomy.md"""
 
 
 # Flags that may change on --resume; every other one defines the method and must match.
-RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log"}
+RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile"}
+# Flags that --profile ignores (it trains and evaluates nothing): a note says so when given.
+TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac", "kl_coef",
+                 "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
+                 "eval_seeds", "ckpt_every", "log", "lora_rank", "lora_alpha",
+                 "grad_checkpointing"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,13 +445,25 @@ class Run:
 
 @contextmanager
 def timed(metrics: dict, name: str):
+    """time/<name>: the phase's seconds. Once CUDA is in use, the GPU is synchronised at both ends
+    (so the phase is charged its own kernels) and mem/<name> is its peak allocated GiB
+    (torch.cuda.max_memory_allocated, reset when the phase starts)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     tic = time.perf_counter()
     yield
+    if cuda:
+        torch.cuda.synchronize()
+        metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
     metrics[f"time/{name}"] = time.perf_counter() - tic
 
 
 def main(argv: list[str] | None = None) -> None:
     run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
+    if run.args.profile:  # before training: where is each reward informative?
+        return profile(run)
     args, world, names = run.args, run.world, run.names
     ckpt = checkpoint.start_or_resume(args, world, run.optimizer, run.rank, run.log)
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
@@ -443,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.log == "tensorboard" and run.rank == 0:
         run.tensorboard = checkpoint.TensorBoard(args.out)
         run.tensorboard.epoch(history[0], args.out, pictures=False)
-    stop = checkpoint.stop_on_sigint(run.log)  # SIGINT: finish the epoch, checkpoint, exit
+    stop = checkpoint.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
     for epoch in range(start, args.epochs + 1):
         m = {"epoch": epoch}
         with timed(m, "rollout"):  # 1. the old policy samples G images per prompt (DESIGN §2)
@@ -452,7 +480,8 @@ def main(argv: list[str] | None = None) -> None:
             per_image = [p for p in my_prompts for _ in range(args.group_size)]
             final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
         with timed(m, "recast"):  # 3. step scores, gains, W: ReCAST's own cost (DESIGN §4-5)
-            with_steps = (epoch - 1) % args.gain_every == 0
+            with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: W needs none
+            with_steps = with_steps and (epoch - 1) % args.gain_every == 0
             step_scores = score_steps(run, preds, final, per_image) if with_steps else None
             final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
             r = optimality(run, final)
@@ -467,23 +496,24 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
             held = {"W": W, **world.state_dict()}
             m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
-        last = epoch == args.epochs or bool(stop)  # 6. eval, log, pictures, checkpoint
+        last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
         if epoch % args.eval_every == 0 or last:
             with timed(m, "eval"):
                 evals(epoch, m)
         save_epoch(run, m, W, gains_ema, opt_steps, history, last)
-        if stop:
-            run.log(f"stopped after epoch {epoch}; continue: python recast.py --out {args.out} "
-                    "--resume")  # fmt: skip
+        if stop.signum:  # the same on every rank: they stop after the same epoch
+            run.log(f"stopped after epoch {epoch}; continue: "
+                    f"{checkpoint.resume_command(args.out)}")  # fmt: skip
             break
-    if run.rank == 0 and not stop:
+    if run.rank == 0 and not stop.signum:
         checkpoint.write_summary(args, history, evals.base, names, run.log)
     if run.tensorboard:
         run.tensorboard.close()
     if dist.is_initialized():
+        dist.barrier()  # until rank 0 has saved: once one rank exits, torchrun stops the others
         dist.destroy_process_group()
-    if stop:
-        sys.exit(130)
+    if stop.signum:
+        stop.exit()  # 130 after SIGINT, 143 after SIGTERM
 
 
 def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
@@ -498,7 +528,9 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
     history.append(m)
     if run.rank == 0:
         checkpoint.append_metrics(args.out, m)
-        profiles = gain_profiles(gains_ema, args.floor, args.gain_shift)
+        profiles = (
+            None if gains_ema is None else gain_profiles(gains_ema, args.floor, args.gain_shift)
+        )
         plots.save_weights_figure(
             os.path.join(args.out, "W.png"),
             W,
@@ -516,6 +548,117 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
             checkpoint.save(args.out, epoch, run.world.state_dict(), run.optimizer.state_dict(),
                             state)  # fmt: skip
     run.log(log_line(m, run.names, W))
+
+
+# ---------------------------------------------------------------------------------------------
+# --profile: one rollout, its step predictions scored, the gains and W, and no training
+# ---------------------------------------------------------------------------------------------
+BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
+
+
+def bootstrap(step_scores: torch.Tensor, run: "Run") -> dict[str, torch.Tensor]:
+    """Std over BOOTSTRAP resamples (with replacement) of the scored prompt groups of: the gain
+    profiles, their centroids, W's centroids and W's L1 distance from uniform."""
+    args, G = run.args, run.args.group_size
+    K, T1, n = step_scores.shape
+    groups = step_scores.double().cpu().view(K, T1, n // G, G)
+    gen = torch.Generator().manual_seed(args.seed)
+    draws = {"profiles": [], "centroids": [], "W_centroids": [], "l1_from_uniform": []}
+    for _ in range(BOOTSTRAP):
+        pick = torch.randint(n // G, (n // G,), generator=gen)
+        s = groups[:, :, pick].reshape(K, T1, n)
+        _, gains = reference_renyi_gains(s, G, args.alpha, args.adv_clip_max)
+        prof = gain_profiles(gains, args.floor, args.gain_shift)
+        W = recast_weights(gains, run.lam, args.tau, args.floor, args.gain_shift).double()
+        draws["profiles"].append(prof)
+        draws["centroids"].append(centroid(prof))
+        draws["W_centroids"].append(centroid(W))
+        draws["l1_from_uniform"].append((W - run.lam[:, None] / (T1 - 1)).abs().sum())
+    return {k: torch.stack(v).std(0) for k, v in draws.items()}
+
+
+def profile(run: "Run") -> None:
+    """--profile: the base model's (or --resume's latest policy's) rollout of one epoch, every
+    step prediction scored by every reward (DESIGN §4), the gains, the profiles and the W of
+    DESIGN §5 for the given --lambda/--tau/--floor/--gain-shift, with their spread over bootstrap
+    resamples of the groups: printed, and written to OUT/profile.png and OUT/profile.json."""
+    args, world, names, T, G = run.args, run.world, run.names, run.args.steps, run.args.group_size
+    tic, source, epoch = time.perf_counter(), "the base model", 1
+    if args.resume:
+        ckpt = checkpoint.load_latest(args.out, run.log)
+        if ckpt is None:
+            cli.fail("--resume", f"{args.out} has no usable checkpoint to profile")
+        world.load_state_dict({k: v.to(world.device) for k, v in ckpt[0].items()})
+        epoch = ckpt[2]["epoch"] + 1  # the prompts and noise its next epoch would draw
+        source = f"the policy after epoch {ckpt[2]['epoch']} of {args.out}"
+    _, my_prompts, x0, preds = rollout(run, epoch)
+    per_image = [p for p in my_prompts for _ in range(G)]
+    final = score_all(run.reward_fns, world.decode(x0), per_image)
+    step_scores = score_steps(run, preds, final, per_image)  # (K, T+1, every rank's scored)
+    D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)
+    D, gains = D.double().cpu(), gains.double().cpu()
+    profiles = gain_profiles(gains, args.floor, args.gain_shift)
+    W = recast_weights(gains, run.lam, args.tau, args.floor, args.gain_shift).double()
+    uniform = run.lam[:, None].expand(len(names), T) / T
+    spread = bootstrap(step_scores, run)
+    seconds = time.perf_counter() - tic
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if run.rank > 0:
+        return
+    n, groups = step_scores.shape[-1], step_scores.shape[-1] // G
+    report = {
+        "source": source, "images_scored": n, "groups": groups, "group_size": G, "steps": T,
+        "names": names, "lam": run.lam.tolist(), "tau": args.tau, "floor": args.floor,
+        "gain_shift": args.gain_shift, "D": D.tolist(), "gains": gains.tolist(),
+        "profiles": profiles.tolist(), "centroids": centroid(profiles).tolist(), "W": W.tolist(),
+        "W_centroids": centroid(W).tolist(), "uniform_centroid": (T - 1) / 2,
+        "centroid_shift": (centroid(W) - (T - 1) / 2).tolist(),
+        "l1_from_uniform": float((W - uniform).abs().sum()),
+        "bootstrap": {"resamples": BOOTSTRAP, **{k: v.tolist() for k, v in spread.items()}},
+        "seconds": seconds,
+    }  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint.write_json_atomic(os.path.join(args.out, "profile.json"), report)
+    plots.save_weights_figure(
+        os.path.join(args.out, "profile.png"), W, profiles, run.lam, names, run.sigmas.cpu(),
+        f"profile of {source}: {n} images in {groups} groups (bands: ± 1 std over "
+        f"{BOOTSTRAP} resamples of the groups)", spread=spread["profiles"],
+    )  # fmt: skip
+    for line in profile_lines(report):
+        print(line)
+    print(f"wrote {args.out}/profile.png, {args.out}/profile.json")
+
+
+def profile_lines(p: dict) -> list[str]:
+    """What profile.json says, in plain words."""
+    T, sd = p["steps"], p["bootstrap"]
+    lines = [
+        f"profile of {p['source']}: {p['groups']} prompts × {p['group_size']} images = "
+        f"{p['images_scored']} images, each step prediction and final image scored by "
+        f"{len(p['names'])} rewards ({p['seconds']:.0f} s: one rollout and its scoring; an epoch "
+        "also updates and evaluates)",
+        f"{'reward':<12} {'λ':>5}  {'informative':<11}  profile centroid  W centroid "
+        f"(uniform {p['uniform_centroid']:.1f})",
+    ]
+    for k, n in enumerate(p["names"]):
+        c = p["centroids"][k]
+        when = "early" if c < (T - 1) / 2 - 1 else "late" if c > (T - 1) / 2 + 1 else "mid-way"
+        lines.append(
+            f"{n:<12} {p['lam'][k]:>5.2f}  {when:<11}  {c:5.2f} ± {sd['centroids'][k]:.2f}     "
+            f"{p['W_centroids'][k]:5.2f} ({p['centroid_shift'][k]:+.2f})"
+        )
+    lines += [
+        f"W's L1 distance from uniform weighting λ/T: {p['l1_from_uniform']:.2f} ± "
+        f"{sd['l1_from_uniform']:.2f} (0: ReCAST would weight like uniform; 2: disjoint)",
+        f"± is the std over {sd['resamples']} bootstrap resamples of the {p['groups']} prompt "
+        "groups: a profile from few groups is noisy; raise --prompts for a firmer one.",
+        "In the toy world's comparison (docs/results.md), the budget whose W lay furthest from "
+        "uniform gained most over uniform, but five budgets are weak evidence, and across τ a W "
+        "further from uniform did not gain more: the distance says where ReCAST differs, not "
+        "that it will win.",
+    ]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,6 +700,9 @@ def setup(argv: list[str] | None) -> Run:
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     cli.check(args, world_size, RESUMABLE)
+    ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
+    if ignored and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
     known = [*rewards.REWARDS, *rewards.LOADERS]
     names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
     lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
@@ -579,6 +725,8 @@ def setup(argv: list[str] | None) -> Run:
             sd3world.check(args, names, judges)  # --rewards, --judges, --prompts-file
         except sd3world.BadInput as e:
             cli.fail(e.flag, str(e))
+    if args.resume and not args.profile and int(os.environ.get("RANK", "0")) == 0:
+        checkpoint.lock_run(args.out)  # another live run in this folder: exit 2, at once
     rank, device = init_processes(args, distributed)
     world = load_world(args, device)
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
@@ -597,7 +745,9 @@ def setup(argv: list[str] | None) -> Run:
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     args.out = args.out or os.path.join(
-        "runs", time.strftime("%Y%m%d-%H%M%S") + f"-{args.weighting}-s{args.seed}"
+        "runs",
+        time.strftime("%Y%m%d-%H%M%S")
+        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
     )
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
@@ -607,6 +757,16 @@ def setup(argv: list[str] | None) -> Run:
 if __name__ == "__main__":
     try:
         main()
-    except (rewards.RewardError, FloatingPointError) as e:  # a fault of the run, not of the code
-        print(f"recast.py: stopped: {e}", file=sys.stderr)
+    except (rewards.RewardError, FloatingPointError, checkpoint.WriteFailed) as e:
+        print(f"recast.py: stopped: {e}", file=sys.stderr)  # a fault of the run, not of the code
         sys.exit(1)
+    except OSError as e:  # a picture or log that a full disk refused
+        if e.errno not in checkpoint.DISK_FULL:
+            raise
+        folder = os.path.dirname(e.filename or "") or "."
+        what = os.path.basename(e.filename or "a file")
+        print(f"recast.py: stopped: {checkpoint.write_failed(e, what, folder)}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:  # under torchrun: a rank or node lost
+        checkpoint.exit_if_rank_lost(e)  # names it and exits 1; returns for any other error
+        raise

@@ -371,7 +371,6 @@ def hpsv2(device: torch.device) -> RewardFn:
     except ImportError as e:
         raise ImportError("reward 'hpsv2' needs its package: pip install hpsv2") from e
     from huggingface_hub import hf_hub_download
-    from PIL import Image
 
     pretrained = os.environ.get("RECAST_HPSV2_CLIP") or "laion2B-s32B-b79K"  # open_clip's tag
     model, _, preprocess = create_model_and_transforms(
@@ -386,7 +385,16 @@ def hpsv2(device: torch.device) -> RewardFn:
     state = torch.load(checkpoint, map_location=device, weights_only=True)["state_dict"]
     model.load_state_dict(state)
     model.eval().requires_grad_(False)
-    tokenizer = get_tokenizer("ViT-H-14")
+    return hpsv2_scorer(model, preprocess, get_tokenizer("ViT-H-14"), device)
+
+
+def hpsv2_scorer(model, preprocess, tokenizer, device: torch.device) -> RewardFn:
+    """HPS v2's score, given its open_clip model (`model(pixels, tokens)` returns a dict with
+    L2-normalised "image_features" and "text_features"), its image preprocessing (PIL image →
+    tensor) and tokenizer (prompts → token ids): images are rounded to uint8 and preprocessed
+    one by one on the CPU, as the hpsv2 package does. (benchmarks/scale_check.py passes a
+    random-weight model of the same shape here.)"""
+    from PIL import Image
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

@@ -289,7 +289,7 @@ def test_reversed_weighting_is_recasts_w_backwards_in_time():
     gains = _random_gains(3).double()
     out = {}
     for weighting in ("recast", "reversed"):
-        run.args = types.SimpleNamespace(**args, floor=0.1, weighting=weighting)
+        run.args = types.SimpleNamespace(**args, floor=0.1, weighting=weighting, gain_shift=0)
         out[weighting], _ = recast.weights(run, None, gains, {})
     assert torch.equal(out["reversed"], out["recast"].flip(1))
     assert not torch.allclose(out["reversed"], out["recast"], atol=1e-3)  # gains are not symmetric
@@ -359,6 +359,12 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
         assert (out / name).is_file(), name
     assert sorted(os.listdir(out / "ckpt")) == ["epoch_0001", "epoch_0002"]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # --profile --resume: the latest policy's profile, written beside the run, the run untouched
+    before = (out / "metrics.jsonl").read_text()
+    said = run_recast("--profile", "--resume", "--out", str(out)).stdout
+    p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 16)
+    assert p["source"] == f"the policy after epoch 2 of {out}" and "after epoch 2" in said
+    assert (out / "metrics.jsonl").read_text() == before
     assert [m["epoch"] for m in lines] == [0, 1, 2]
     names = list(tw.ToyWorld.reward_names)
     for m in lines[1:]:
@@ -412,6 +418,7 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--log", "wandb"], "--log"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "beauty"], "--judges"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "shape,position"], "--judges"),  # trained on
+    (["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "1"], "--prompts"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "-1"], "--gain-shift"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "10"], "--gain-shift"),  # = --steps
     (
@@ -420,6 +427,61 @@ BAD_INPUT = [
     ),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "sum"], "--gain-shift"),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# --profile: where each reward is informative, before training
+# ---------------------------------------------------------------------------------------------
+def check_profile(out, names, lam, T, images) -> dict:
+    """profile.json holds a W with λ's rows and 1/T's columns, the profiles and their spread."""
+    p = json.loads((out / "profile.json").read_text())
+    assert (out / "profile.png").stat().st_size > 0
+    assert p["names"] == names and p["images_scored"] == images and p["steps"] == T
+    W = torch.tensor(p["W"], dtype=torch.float64)
+    assert torch.allclose(W.sum(1), torch.tensor(lam, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(W.sum(0), torch.full((T,), 1 / T, dtype=torch.float64), atol=1e-6)
+    assert torch.tensor(p["D"]).shape == (len(names), T + 1)
+    assert torch.tensor(p["bootstrap"]["profiles"]).shape == (len(names), T)
+    uniform = torch.tensor(lam, dtype=torch.float64)[:, None] / T
+    assert p["l1_from_uniform"] == pytest.approx(float((W - uniform).abs().sum()))
+    assert p["centroid_shift"] == pytest.approx([c - (T - 1) / 2 for c in p["W_centroids"]])
+    return p
+
+
+def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, capsys):
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "profile"
+    recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "4", "--group-size",
+                 "4", "--epochs", "7", "--lr", "1", "--out", str(out)])  # fmt: skip
+    said = capsys.readouterr().out
+    assert "note: --profile trains nothing: --epochs, --lr ignored" in said
+    assert "16 images" in said and "bootstrap resamples of the 4 prompt groups" in said
+    assert "L1 distance from uniform" in said
+    assert sorted(os.listdir(out)) == ["profile.json", "profile.png"]  # no run: nothing else
+    p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 16)
+    assert p["source"] == "the base model"
+    assert all(sd > 0 for sd in p["bootstrap"]["centroids"])  # 4 groups: a visible spread
+    with pytest.raises(SystemExit) as e:  # the folder exists now: as for training, exit 2
+        recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--out", str(out)])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_uniform_weighting_scores_no_step_prediction(tmp_path, monkeypatch):
+    """uniform (and sum) need no gains: no step prediction is scored, W is λ/T, W.png says so."""
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    scored = []
+    monkeypatch.setattr(recast, "trajectory_scores", lambda *a: scored.append(1))
+    recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--weighting", "uniform", *TINY, "--epochs", "1",
+                 "--out", "run"])  # fmt: skip
+    m = metrics_of(tmp_path / "run")[1]
+    assert scored == [] and "gains" not in m and "D" not in m
+    assert torch.allclose(torch.tensor(m["W"]), torch.tensor([0.04, 0.02, 0.02, 0.02])[:, None]
+                          .expand(4, 10))  # fmt: skip
+    assert (tmp_path / "run" / "W.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("argv,flag", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
@@ -994,6 +1056,19 @@ def test_sd3_trains_one_epoch_end_to_end(sd3_dir, prompts_file, reward_env, tmp_
     }
 
 
+def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp_path):
+    out = tmp_path / "profile"
+    script = os.path.join(HERE, "recast.py")
+    flags = [
+        "--model", sd3_dir, "--rewards", "pickscore,clipscore,aesthetic", "--lambda", "0.5,0.3,0.2",
+        "--prompts-file", prompts_file, "--prompts", "2", "--group-size", "2", "--steps", "3",
+        "--batch-size", "4", "--resolution", "32", "--device", "cpu", "--profile",
+    ]  # fmt: skip
+    said = run(sys.executable, script, *flags, "--out", str(out), env=reward_env).stdout
+    assert "4 images" in said and "wrote" in said
+    check_profile(out, ["pickscore", "clipscore", "aesthetic"], [0.5, 0.3, 0.2], 3, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun: two ranks stay identical and match one process (slow)
 # ---------------------------------------------------------------------------------------------
@@ -1091,3 +1166,20 @@ def test_torchrun_trains_sd3_adapters_in_step(sd3_dir, prompts_file, reward_env,
     assert [m["epoch"] for m in lines] == [0, 1, 2]
     assert all(len(m["dist/sha256"]) == 64 for m in lines[1:])
     assert lines[1]["dist/sha256"] != lines[2]["dist/sha256"]  # trained, in step
+
+
+@pytest.mark.slow
+def test_torchrun_profile_matches_one_process(random_toy_model, tmp_path):
+    """--profile under torchrun: every rank's groups are scored, rank 0 writes, and the profile is
+    the one process's (the same images, up to float summation order)."""
+    script = os.path.join(HERE, "recast.py")
+    flags = ["--model", random_toy_model, "--lambda", "0.4,0.2,0.2,0.2", "--prompts", "4",
+             "--group-size", "4", "--batch-size", "32", "--device", "cpu", "--profile"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run(*torchrun, script, *flags, "--out", str(tmp_path / "two"))
+    run(sys.executable, script, *flags, "--out", str(tmp_path / "one"))
+    names, lam = list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2]
+    two = check_profile(tmp_path / "two", names, lam, 10, 16)
+    one = check_profile(tmp_path / "one", names, lam, 10, 16)
+    assert torch.allclose(torch.tensor(two["W"]), torch.tensor(one["W"]), atol=1e-5)
+    assert torch.allclose(torch.tensor(two["D"]), torch.tensor(one["D"]), atol=1e-5)

@@ -138,12 +138,15 @@ def no_sync_check() -> None:
 
 def compare_toy_runs(cpu_dir: Path, cuda_dir: Path) -> tuple[bool, str]:
     """Step 5's comparison of the two runs' metrics.jsonl, as a markdown table."""
+    sys.path.insert(0, str(ROOT))
+    from checkpoint import read_metrics  # skips a torn last line, with a warning
+
     runs = []
     for folder in (cpu_dir, cuda_dir):
         path = folder / "metrics.jsonl"
         if not path.is_file():
             return False, f"{path} is missing"
-        runs.append({m["epoch"]: m for m in map(json.loads, path.read_text().splitlines())})
+        runs.append({m["epoch"]: m for m in read_metrics(str(folder))})
     cpu, cuda = runs
     lines = ["| epoch | metric | CPU | CUDA | abs. difference | tolerance | |", "|---" * 7 + "|"]
     ok = set(cpu) == set(cuda) == set(TOLERANCES)

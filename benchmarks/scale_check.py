@@ -1,0 +1,1321 @@
+"""SD3.5-Medium at its real size with random weights: the real loop's memory and time, and a FLOP
+cost model beside them (issue #22). One command, one report file.
+
+    python benchmarks/scale_check.py --out scale_check_out             # one CUDA GPU
+    python benchmarks/scale_check.py --shrink 16 --out /tmp/scale      # CPU: widths ÷ 16, < 1 min
+    python benchmarks/scale_check.py --cost-model                      # the FLOP model alone
+
+What it does
+------------
+1. Builds, with random weights and directly on the device, every model a `--rewards paper1` run of
+   SD3.5-Medium loads, at the sizes of benchmarks/configs/*.json (each value's source is written
+   there): the MMDiT transformer, VAE, CLIP-L, CLIP-G and T5-XXL (bf16 on CUDA, as sd3world.py
+   loads them; fp32 on CPU), and the reward backbones in fp32, as rewards.py loads them: a CLIP
+   ViT-H/14 for PickScore, another for HPS v2.1, one CLIP ViT-L/14 shared by CLIPScore and the
+   aesthetic score, and LAION's aesthetic MLP. Tokenizers are small generated ones with the real
+   sequence lengths (77 CLIP tokens, 256 T5 tokens; prompts long enough to fill CLIP's 77).
+   Everything is saved into a temporary folder in the layout the real loaders read
+   (StableDiffusion3Pipeline.save_pretrained, CLIPModel + CLIPProcessor folders, a .safetensors
+   head), so the run loads it through the real code. Nothing is downloaded.
+   HPS v2.1 is the one stand-in: its loader needs the `hpsv2` package (its own open_clip), which is
+   not installed here nor on the GPU machine. Its random ViT-H/14 is a transformers CLIPModel of
+   open_clip ViT-H-14's shape behind open_clip's call signature, scored by rewards.hpsv2_scorer,
+   the same code as the real reward (uint8 rounding, PIL preprocessing on the CPU, 77 tokens).
+2. Runs the real loop, recast.main() in this process (no copy of it), with the one-GPU command of
+   docs/sd35.md: 512 px, T = 10, 8 prompts × 8 images, --batch-size 16, --kl-coef 1e-4, 2 epochs,
+   - once with --weighting recast, once with --weighting uniform (which scores no step
+     prediction: DiffusionNFT's work only), so their ratio is ReCAST's cost. The second epoch is
+     reported (the first carries warm-up);
+   - then one epoch at 1024 px with --grad-checkpointing (and fewer prompts if the time budget,
+     judged from the 512 px epochs and the cost model, would not hold 8).
+   Instrumentation wraps recast.py's functions from outside, the loop unchanged: recast.timed
+   (phase times; on CUDA recast.py itself logs mem/<phase>, peak allocated GiB, reset per phase;
+   on CPU the peak resident memory of the process per phase is taken instead, from
+   /proc/self/status after /proc/self/clear_refs), recast.score_steps and recast.weights (step
+   scoring vs gains + Sinkhorn within time/recast), recast.nft_loss (forward, and backward
+   between hooks on the loss and on v_theta: CUDA events on CUDA, perf_counter on CPU) and
+   recast.save_epoch (wall time per epoch).
+3. Measures the peak memory of kernels.nft_loss.nft_loss (fused) against reference_nft_loss at
+   the real micro-batch (--batch-size pairs of fp32 latents, forward + backward): on CUDA with
+   max_memory_allocated; on CPU from torch.profiler's memory timeline (where nft_loss, outside
+   the Triton interpreter, is reference_nft_loss itself).
+4. The cost model: FLOPs of every component, counted by torch.utils.flop_counter on models built
+   from the same configurations on the meta device (matmuls, convolutions, attention; element-
+   wise work is not counted), summed per phase; modelled seconds at each precision's matmul
+   throughput measured on this machine (bf16 for the transformer and text encoders under
+   autocast, TF32 for the fp32 VAE's convolutions, fp32 for the reward models), and measured ÷
+   modelled per phase. `--cost-model` prints it alone (no device, no models built), with
+   ReCAST's modelled share for several --gain-frac / --gain-every.
+Writes OUT/scale_check.md: the report in markdown, and every figure again in a ```json block at
+its end, rewritten after every stage (a check stopped from outside leaves a partial report that
+says so). Run folders and models live in a temporary folder, removed at the end. On the GPU the
+check aims to end within --budget seconds (default DEFAULT_BUDGET_S) by giving the 1024 px run
+fewer prompts; a 512 px run that runs out of memory is repeated with --grad-checkpointing.
+
+--shrink F runs the same on the CPU, in seconds: every width ÷ F (attention heads ÷ 2 or 4 and head
+widths ÷ the rest, so that the attention maps shrink too), and, to end within a minute on a 2-core
+machine, every depth ÷ SHRINK_DEPTH; sequence lengths (77 and 256 tokens), vocabularies, the 224 px
+reward input and the structure are kept; the runs use SHRUNK_RUN's sizes (32 and 64 px, T = 4,
+2 prompts × 2) and keep their full-size names.
+"""
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere
+CONFIGS = ROOT / "benchmarks" / "configs"
+SHRINKS = (2, 4, 8, 16)
+SHRINK_DEPTH = 8  # --shrink also divides every depth by this (at least 1 layer; 2 for the MMDiT)
+LAMBDA = "0.4,0.2,0.2,0.2"
+# docs/sd35.md's one-GPU command (its --epochs 100 becomes 2; --eval-every 10 keeps eval to the
+# base model and the last epoch); every other flag is recast.py's default (DEFAULTED), and the
+# cost model of a run reads the values the run itself wrote to its args.json
+FULL_RUN = dict(resolution=512, steps=10, prompts=8, group_size=8, batch_size=16, eval_prompts=4,
+                eval_seeds=2, kl_coef=1e-4)  # fmt: skip
+# --shrink: the same loop on sizes a 2-core CPU runs in seconds
+SHRUNK_RUN = dict(resolution=32, steps=4, prompts=2, group_size=2, batch_size=4, eval_prompts=1,
+                  eval_seeds=1, kl_coef=1e-4)  # fmt: skip
+DEFAULTED = ("train_frac", "gain_frac", "gain_every")  # read by the cost model
+DEFAULT_BUDGET_S = 420  # the whole check on the GPU, building included; the 1024 px run adapts
+# Peak dense matmul throughput (TFLOP/s) by precision, from the vendors' data sheets (SXM parts);
+# the H200 has the H100's compute. Used only for the extrapolation, never for a measured figure.
+SPEC_TFLOPS = {
+    "H100/H200 SXM": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100 SXM": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
+ANCHOR = "DiffusionNFT's SD3.5 run as reported by a user: 1152 images per step in ≈ 173 s on 8×A100"
+ANCHOR_RATE = 1152 / 173 / 8  # images per GPU-second
+PHASES = ("rollout", "score", "recast", "update", "eval")
+
+
+def fail(flag: str, message: str):
+    print(f"scale_check.py: error: {flag}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        flag, _, detail = message.partition(": ")
+        fail(flag.removeprefix("argument ").split("/")[0] if "argument " in flag else "usage",
+             detail or message)  # fmt: skip
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = _Parser(prog="scale_check.py", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--out", help="folder for scale_check.md (created; may exist)")
+    ap.add_argument("--shrink", type=int, default=0,
+                    help=f"divide every width by this ({', '.join(map(str, SHRINKS))}) and run on "
+                    "the CPU; leave out for the real sizes (needs a CUDA GPU)")  # fmt: skip
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="prompts per epoch (default: 8, the docs' command; --shrink: "
+                    "2)")  # fmt: skip
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help=f"seconds for the whole check (default {DEFAULT_BUDGET_S} on the GPU): "
+                    "the 1024 px run gets fewer prompts, or is skipped, to end within "
+                    "it")  # fmt: skip
+    ap.add_argument("--cost-model", action="store_true",
+                    help="print the FLOP cost model of the full-size configurations and ReCAST's "
+                    "modelled share of an epoch, then exit (no device, nothing built)")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.shrink and args.shrink not in SHRINKS:
+        fail("--shrink", f"must be one of {', '.join(map(str, SHRINKS))} (every width is divided "
+             f"by it; leave it out for the real sizes), got {args.shrink}")  # fmt: skip
+    if args.prompts < 0:
+        fail("--prompts", f"must be ≥ 1, got {args.prompts}")
+    if args.budget < 0 or not math.isfinite(args.budget):
+        fail("--budget", f"must be > 0 seconds, got {args.budget}")
+    if args.cost_model:
+        return args
+    if not args.out:
+        fail("--out", "give the folder for the report, e.g. --out scale_check_out")
+    problem = unwritable(args.out)
+    if problem:
+        fail("--out", problem)
+    return args
+
+
+def unwritable(path: str) -> str:
+    """Why a report could not be written under folder `path` ('' when it can), without writing."""
+    p = Path(path).absolute()
+    if p.exists():
+        if not p.is_dir():
+            return f"{path} exists and is not a folder"
+        return "" if os.access(p, os.W_OK | os.X_OK) else f"{path} is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder, so {path} cannot be made"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be made: {parent} is not writable"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------
+def load_configs(shrink: int = 0) -> dict:
+    """{name: the "config" of benchmarks/configs/NAME.json} (plus the aesthetic head's widths and
+    the reward image size), every width divided by `shrink` when given."""
+    raw = {p.stem: json.loads(p.read_text()) for p in sorted(CONFIGS.glob("*.json"))}
+    c = {k: copy.deepcopy(v["config"]) for k, v in raw.items()}
+    c["aesthetic_head"] = list(raw["clip_vit_l14"]["aesthetic_head"]["widths"])
+    c["reward_image_size"] = raw["clip_vit_h14"]["processor"]["crop_size"]
+    c["t5_tokens"] = raw["t5xxl_encoder"]["sequence_length"]
+    if shrink:
+        shrink_configs(c, shrink)
+    return c
+
+
+def shrink_configs(c: dict, f: int) -> None:
+    """--shrink F, in place: every width ÷ F (attention: heads ÷ h and head width ÷ F/h, h = 2 or
+    4, so that the L² attention scores shrink too), every depth ÷ SHRINK_DEPTH (at least one
+    layer, two for the MMDiT; SD3.5's dual-attention share of the blocks kept); sequence lengths,
+    vocabularies and the structure unchanged."""
+    h = 2 ** math.ceil(math.log2(f) / 2)  # heads ÷ h, head width ÷ f / h
+
+    def depth(n: int, least: int = 1) -> int:
+        return max(least, round(n / SHRINK_DEPTH))
+
+    tr = c["sd35m_transformer"]
+    dual = len(tr["dual_attention_layers"]) / tr["num_layers"]
+    tr["num_attention_heads"] //= h
+    tr["attention_head_dim"] //= f // h
+    for k in ("caption_projection_dim", "joint_attention_dim", "pooled_projection_dim"):
+        tr[k] //= f
+    tr["num_layers"] = depth(tr["num_layers"], 2)
+    tr["dual_attention_layers"] = list(range(max(1, round(dual * tr["num_layers"]))))
+    vae = c["sd35m_vae"]
+    vae["block_out_channels"] = [w // f for w in vae["block_out_channels"]]
+    vae["norm_num_groups"] = max(1, vae["norm_num_groups"] // f)
+    towers = [c["clip_l_text"], c["clip_g_text"]]
+    for name in ("clip_vit_h14", "clip_vit_l14"):
+        c[name]["projection_dim"] //= f
+        towers += [c[name]["text_config"], c[name]["vision_config"]]
+    for cfg in towers:
+        for k in ("hidden_size", "intermediate_size", "projection_dim"):
+            if k in cfg:
+                cfg[k] //= f
+        cfg["num_attention_heads"] //= h
+        cfg["num_hidden_layers"] = depth(cfg["num_hidden_layers"])
+    t5 = c["t5xxl_encoder"]
+    t5["d_model"] //= f
+    t5["d_ff"] //= f
+    t5["num_heads"] //= h
+    t5["d_kv"] //= f // h
+    t5["num_layers"] = depth(t5["num_layers"])
+    c["aesthetic_head"] = [max(1, w // f) for w in c["aesthetic_head"][:-1]] + [1]
+
+
+CLIP_IDS = dict(bos_token_id=512, eos_token_id=513, pad_token_id=513)  # test_recast.clip_tokenizer
+
+
+def clip_text_config(cfg: dict):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(**cfg, **CLIP_IDS)
+
+
+def clip_config(cfg: dict):
+    from transformers import CLIPConfig
+
+    return CLIPConfig(
+        text_config={**cfg["text_config"], **CLIP_IDS},
+        vision_config=cfg["vision_config"],
+        projection_dim=cfg["projection_dim"],
+    )
+
+
+def t5_config(cfg: dict):
+    from transformers import T5Config
+
+    return T5Config(**cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers (small, generated; real sequence lengths) and prompts
+# ---------------------------------------------------------------------------------------------
+def clip_tokenizer(folder: Path):
+    """test_recast.py's CLIP tokenizer: one token per byte, 77 tokens."""
+    from test_recast import clip_tokenizer as make
+
+    return make(folder)
+
+
+def t5_tokenizer(folder: Path):
+    """A T5 tokenizer (SentencePiece-style unigram) with one token per printable character."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
+    pieces += [(chr(c), -2.0) for c in range(33, 127)]
+    tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
+    tok.save_pretrained(folder)
+    return tok
+
+
+SUBJECTS = ["a red fox", "an old lighthouse", "a bowl of ramen", "a glass teapot", "two cyclists",
+            "a snowy village", "a robot gardener", "a koi pond", "a paper boat", "a jazz trio",
+            "a desert canyon", "a city tram"]  # fmt: skip
+STYLES = ["oil painting, thick brush strokes", "studio photograph, soft light",
+          "watercolour on rough paper", "isometric 3d render", "charcoal sketch"]  # fmt: skip
+
+
+def prompts(n: int, offset: int = 0) -> list[str]:
+    """n distinct prompts of 100+ characters: past CLIP's 77 tokens with a byte tokenizer."""
+    out = []
+    for i in range(offset, offset + n):
+        s, st = SUBJECTS[i % len(SUBJECTS)], STYLES[(i // len(SUBJECTS)) % len(STYLES)]
+        out.append(f"{s} at dusk, seen from a low angle, {st}, highly detailed, sharp focus, "
+                   f"balanced composition, variant {i}")  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: built with random weights on the device, saved where the real loaders read them
+# ---------------------------------------------------------------------------------------------
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_and_save(c: dict, root: Path, device, dtype) -> dict:
+    """The SD3.5 pipeline folder and the reward-model folders under `root`; returns their paths
+    and parameter counts."""
+    import torch
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from safetensors.torch import save_file
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        CLIPTextModelWithProjection,
+        T5EncoderModel,
+    )
+
+    torch.manual_seed(0)
+    counts, paths = {}, {}
+    tok = clip_tokenizer(root / "clip_tokenizer")
+
+    def made(name, model, cast=dtype):
+        counts[name] = n_params(model)
+        return model.to(device=device, dtype=cast).eval()
+
+    with torch.device(device):
+        transformer = made("transformer", SD3Transformer2DModel(**c["sd35m_transformer"]))
+        vae = made("vae", AutoencoderKL(**c["sd35m_vae"]))
+        clip_l = made("clip_l", CLIPTextModelWithProjection(clip_text_config(c["clip_l_text"])))
+        clip_g = made("clip_g", CLIPTextModelWithProjection(clip_text_config(c["clip_g_text"])))
+        t5 = made("t5xxl", T5EncoderModel(t5_config(c["t5xxl_encoder"])))
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(**c["sd35m_scheduler"]),
+        text_encoder=clip_l, tokenizer=tok, text_encoder_2=clip_g, tokenizer_2=tok,
+        text_encoder_3=t5, tokenizer_3=t5_tokenizer(root / "t5_tokenizer"),
+    )  # fmt: skip
+    paths["pipe"] = root / "pipe"
+    pipe.save_pretrained(paths["pipe"])
+    del pipe, transformer, vae, clip_l, clip_g, t5
+    free_device_memory()
+
+    size = c["reward_image_size"]
+    images = CLIPImageProcessor(size={"shortest_edge": size},
+                                crop_size={"height": size, "width": size})  # fmt: skip
+    for name, key in (("clip_h", "clip_vit_h14"), ("hpsv2_clip", "clip_vit_h14"),
+                      ("clip_l14", "clip_vit_l14")):  # fmt: skip
+        with torch.device(device):
+            model = made(name, CLIPModel(clip_config(c[key])), torch.float32)
+        paths[name] = root / name
+        model.save_pretrained(paths[name])
+        CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(paths[name])
+        del model
+        free_device_memory()
+    widths, head = c["aesthetic_head"], {}
+    for layer, i, o in zip([0, 2, 4, 6, 7], widths[:-1], widths[1:], strict=True):
+        head[f"layers.{layer}.weight"] = torch.randn(o, i) / math.sqrt(i)
+        head[f"layers.{layer}.bias"] = torch.zeros(o)
+    paths["aesthetic_head"] = root / "aesthetic_head.safetensors"
+    save_file(head, paths["aesthetic_head"])
+    counts["aesthetic_head"] = sum(v.numel() for v in head.values())
+    return {"paths": {k: str(v) for k, v in paths.items()}, "params": counts}
+
+
+def free_device_memory() -> None:
+    """Drop what is no longer referenced from the GPU (on the CPU there is nothing to hand back)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip.constants.OPENAI_DATASET_MEAN
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)  # open_clip.constants.OPENAI_DATASET_STD
+
+
+def openclip_preprocess(size: int):
+    """open_clip's image_transform(size, is_train=False) on a PIL image: the shortest side resized
+    to `size` (bicubic), centre crop, RGB, to [0, 1], normalised with OpenAI's mean and std."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    mean = torch.tensor(OPENAI_MEAN)[:, None, None]
+    std = torch.tensor(OPENAI_STD)[:, None, None]
+
+    def preprocess(im):
+        w, h = im.size
+        scale = size / min(w, h)
+        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+        left, top = (im.width - size) // 2, (im.height - size) // 2
+        im = im.crop((left, top, left + size, top + size)).convert("RGB")
+        x = torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255
+        return (x - mean) / std
+
+    return preprocess
+
+
+def hpsv2_stand_in(folder: str, size: int):
+    """A loader for reward 'hpsv2' (registered in rewards.LOADERS for the check): a random CLIP
+    ViT-H/14 behind open_clip's model(image, text) → {"image_features", "text_features"}, scored
+    by rewards.hpsv2_scorer (the real reward's own scoring code). Loaded once per device."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import CLIPModel, CLIPTokenizer
+
+    import rewards
+
+    class OpenClipLike(torch.nn.Module):
+        def __init__(self, clip):
+            super().__init__()
+            self.clip = clip
+
+        def forward(self, image, text):
+            img = self.clip.visual_projection(
+                self.clip.vision_model(pixel_values=image).pooler_output
+            )
+            txt = self.clip.text_projection(self.clip.text_model(input_ids=text).pooler_output)
+            return {"image_features": F.normalize(img, dim=-1),
+                    "text_features": F.normalize(txt, dim=-1)}  # fmt: skip
+
+    loaded = {}
+
+    def load(device):
+        if str(device) not in loaded:
+            clip = CLIPModel.from_pretrained(folder, dtype=torch.float32)
+            clip = clip.to(device).eval().requires_grad_(False)  # hpsv2: precision="fp32"
+            tok = CLIPTokenizer.from_pretrained(folder)
+
+            def tokenize(texts):  # open_clip's tokenizer: always the full 77-token context
+                return tok(texts, padding="max_length", max_length=77, truncation=True,
+                           return_tensors="pt").input_ids  # fmt: skip
+
+            model = OpenClipLike(clip).eval()
+            loaded[str(device)] = rewards.hpsv2_scorer(model, openclip_preprocess(size), tokenize,
+                                                       device)  # fmt: skip
+        return loaded[str(device)]
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model: FLOPs of each component, counted on meta-device models built from the configs
+# ---------------------------------------------------------------------------------------------
+def component_flops(c: dict, resolutions) -> dict:
+    """{component: FLOPs per image (per prompt for the text encoders)}; the transformer and VAE
+    at each resolution. The transformer's backward has its weights frozen (only input gradients,
+    as for the LoRA-wrapped base model; the adapters' own FLOPs, < 1 %, are left out)."""
+    import torch
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import CLIPModel, CLIPTextModelWithProjection, T5EncoderModel
+
+    def count(fn) -> float:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return float(fc.get_total_flops())
+
+    meta = torch.device("meta")
+    out = {}
+    with meta:
+        tr = SD3Transformer2DModel(**c["sd35m_transformer"]).requires_grad_(False)
+        vae = AutoencoderKL(**c["sd35m_vae"])
+        texts = {
+            "clip_l_text": CLIPTextModelWithProjection(clip_text_config(c["clip_l_text"])),
+            "clip_g_text": CLIPTextModelWithProjection(clip_text_config(c["clip_g_text"])),
+        }
+        t5 = T5EncoderModel(t5_config(c["t5xxl_encoder"]))
+        clips = {"clip_h": CLIPModel(clip_config(c["clip_vit_h14"])),
+                 "clip_l14": CLIPModel(clip_config(c["clip_vit_l14"]))}  # fmt: skip
+    tr_cfg, vae_cfg = c["sd35m_transformer"], c["sd35m_vae"]
+    down = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
+    ctx = 77 + c["t5_tokens"]
+    with torch.no_grad():
+        ids = torch.zeros(1, 77, dtype=torch.long, device=meta)
+        for name, model in texts.items():
+            out[name] = count(lambda m=model: m(input_ids=ids, output_hidden_states=True))
+        t5_ids = torch.zeros(1, c["t5_tokens"], dtype=torch.long, device=meta)
+        out["t5xxl"] = count(lambda: t5(input_ids=t5_ids))
+        size = c["reward_image_size"]
+        pixels = torch.zeros(1, 3, size, size, device=meta)
+        for name, m in clips.items():
+            out[f"{name}_image"] = count(lambda m=m: m.visual_projection(
+                m.vision_model(pixel_values=pixels).pooler_output))  # fmt: skip
+            out[f"{name}_text"] = count(lambda m=m: m.text_projection(
+                m.text_model(input_ids=ids).pooler_output))  # fmt: skip
+        w = c["aesthetic_head"]
+        out["aesthetic_head"] = float(sum(2 * a * b for a, b in zip(w, w[1:], strict=False)))
+    embeds = torch.zeros(1, ctx, tr_cfg["joint_attention_dim"], device=meta)
+    pooled = torch.zeros(1, tr_cfg["pooled_projection_dim"], device=meta)
+    t = torch.ones(1, device=meta)
+    for res in resolutions:
+        side = res // down
+        x = torch.zeros(1, tr_cfg["in_channels"], side, side, device=meta, requires_grad=True)
+        with FlopCounterMode(display=False) as fc:
+            v = tr(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
+                   timestep=t, return_dict=False)[0]  # fmt: skip
+        out[f"transformer_fwd@{res}"] = float(fc.get_total_flops())
+        out[f"transformer_bwd@{res}"] = count(lambda v=v: v.sum().backward())
+        z = torch.zeros(1, vae_cfg["latent_channels"], side, side, device=meta)
+        with torch.no_grad():
+            out[f"vae_decode@{res}"] = count(lambda z=z: vae.decode(z, return_dict=False))
+    return out
+
+
+# the precision each component's matmuls run in on CUDA (sd3world.py, rewards.py; torch defaults:
+# cudnn convolutions may use TF32, fp32 matmuls may not)
+PRECISION = {"transformer": "bf16", "text": "bf16", "vae": "tf32", "reward": "fp32"}
+
+
+def reward_flops(cf: dict) -> dict:
+    """FLOPs per image of each paper1 reward: two ViT-H/14 (image + 77-token text), CLIPScore's
+    ViT-L/14 (image + text), the aesthetic score (ViT-L/14 image + MLP)."""
+    h = cf["clip_h_image"] + cf["clip_h_text"]
+    return {"pickscore": h, "hpsv2": h, "clipscore": cf["clip_l14_image"] + cf["clip_l14_text"],
+            "aesthetic": cf["clip_l14_image"] + cf["aesthetic_head"]}  # fmt: skip
+
+
+def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> dict:
+    """{phase: {precision: FLOPs}} of one epoch of run `r` (resolution, steps, prompts,
+    group_size, train_frac, kl_coef, gain_frac, gain_every, grad_checkpointing, eval_images,
+    eval: whether this epoch evaluates). `amortised` spreads step scoring over --gain-every
+    epochs instead of charging the epochs that score."""
+    res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
+    n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
+    vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
+    text = cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
+    scored_groups = max(1, round(r["gain_frac"] * P))
+    if amortised:
+        share = 1 / r["gain_every"]
+    else:
+        share = 1.0 if (epoch - 1) % r["gain_every"] == 0 else 0.0
+    scored = scored_groups * G * share * (r.get("weighting", "recast") in ("recast", "reversed"))
+    pairs = max(1, round(r["train_frac"] * n * T))
+    per_pair = fwd + bwd + fwd * (1 + bool(r["grad_checkpointing"]) + (r["kl_coef"] > 0))
+    E = r["eval_images"] if r.get("eval", False) else 0
+    return {
+        "rollout": {"bf16": n * T * fwd + P * text},
+        "score": {"tf32": n * vae, "fp32": n * rew},
+        "recast": {"tf32": scored * (T - 1) * vae, "fp32": scored * (T - 1) * rew},
+        "update": {"bf16": pairs * per_pair + P * text},
+        "eval": {"bf16": E * (T * fwd + text), "tf32": E * vae, "fp32": E * rew},
+    }
+
+
+def modelled_seconds(flops: dict, rates: dict) -> dict:
+    """{phase: seconds} at `rates` (FLOP/s per precision; a missing precision falls back to
+    fp32, as on the CPU where everything is fp32)."""
+    return {
+        ph: sum(v / rates.get(p, rates["fp32"]) for p, v in f.items()) for ph, f in flops.items()
+    }
+
+
+def total(flops: dict) -> dict:
+    return {ph: sum(f.values()) for ph, f in flops.items()}
+
+
+def measure_rates(device) -> dict:
+    """Matmul throughput (FLOP/s) on this device: bf16, TF32 and fp32 on CUDA (best of 5 after a
+    warm-up), fp32 on the CPU."""
+    import torch
+
+    def best(fn, flops, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            tic = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - tic)
+        return flops / min(times)
+
+    if device.type != "cuda":
+        cpu = torch.randn(512, 512)
+        return {"fp32": best(lambda: cpu @ cpu, 2 * 512**3)}
+    n = 8192
+    half = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    full = half.float()
+    rates = {"bf16": best(lambda h=half: h @ h, 2 * n**3)}
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        rates["tf32"] = best(lambda f=full: f @ f, 2 * n**3)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        rates["fp32"] = best(lambda f=full: f @ f, 2 * n**3, reps=3)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    del half, full
+    free_device_memory()
+    return rates
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Instrumentation of the real loop (recast.py's functions wrapped from outside)
+# ---------------------------------------------------------------------------------------------
+def peak_rss_reset() -> bool:
+    """Reset the process's peak resident memory (Linux: /proc/self/clear_refs, 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_gib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return None
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on CUDA, perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        import torch
+
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+
+class Probe:
+    """Wraps recast.timed, score_steps, weights, nft_loss and save_epoch for one run."""
+
+    def __init__(self, recast, device):
+        self.recast, self.device, self.clock = recast, device, Clock(device)
+        self.epoch = 1
+        self.phase = "set-up"
+        self.t0 = time.perf_counter()
+        self.epoch_start, self.epoch_end, self.rss = {}, {}, {}
+        self.nft = {}  # epoch → {"fwd": [(a, b)], "bwd": [(a, b)]}
+        self.steps_s, self.weights_s = {}, {}
+        self.saved = {}
+
+    def __enter__(self):
+        r = self.recast
+        for name in ("timed", "score_steps", "weights", "nft_loss", "save_epoch"):
+            self.saved[name] = getattr(r, name)
+        r.timed, r.score_steps = self.timed, self.timer(r.score_steps, self.steps_s)
+        r.weights, r.nft_loss, r.save_epoch = (self.timer(r.weights, self.weights_s),
+                                               self.nft_loss, self.save_epoch)  # fmt: skip
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.recast, name, fn)
+
+    @contextlib.contextmanager
+    def timed(self, metrics, name):
+        self.phase = name
+        if name == "rollout":
+            self.epoch_start[self.epoch] = time.perf_counter()
+        cpu = self.device.type != "cuda"
+        if cpu:
+            peak_rss_reset()
+        with self.saved["timed"](metrics, name):
+            yield
+        if cpu:
+            self.rss.setdefault(self.epoch, {})[name] = peak_rss_gib()
+
+    def timer(self, fn, into: dict):
+        def wrapped(*a, **k):
+            sync(self.device)
+            tic = time.perf_counter()
+            out = fn(*a, **k)
+            sync(self.device)
+            into[self.epoch] = into.get(self.epoch, 0.0) + time.perf_counter() - tic
+            return out
+
+        return wrapped
+
+    def nft_loss(self, v_theta, *a, **k):
+        rec = self.nft.setdefault(self.epoch, {"fwd": [], "bwd": []})
+        start = self.clock.mark()
+        loss = self.saved["nft_loss"](v_theta, *a, **k)
+        rec["fwd"].append((start, self.clock.mark()))
+        if loss.requires_grad and v_theta.requires_grad:
+            begin = []
+            loss.register_hook(lambda g: begin.append(self.clock.mark()))
+            v_theta.register_hook(lambda g: rec["bwd"].append((begin[0], self.clock.mark())))
+        return loss
+
+    def save_epoch(self, run, m, *a, **k):
+        out = self.saved["save_epoch"](run, m, *a, **k)
+        self.epoch_end[m["epoch"]] = time.perf_counter()
+        self.epoch = m["epoch"] + 1
+        return out
+
+    def summary(self) -> dict:
+        """Per epoch: wall seconds, nft_loss forward/backward seconds, step-scoring and gains+W
+        seconds, peak RSS per phase (CPU)."""
+        sync(self.device)
+        out = {}
+        for e, end in self.epoch_end.items():
+            rec = self.nft.get(e, {"fwd": [], "bwd": []})
+            out[e] = {
+                "wall_s": end - self.epoch_start.get(e, end),
+                "nft_fwd_s": sum(self.clock.seconds(a, b) for a, b in rec["fwd"]),
+                "nft_bwd_s": sum(self.clock.seconds(a, b) for a, b in rec["bwd"]),
+                "nft_calls": len(rec["fwd"]),
+                "step_scoring_s": self.steps_s.get(e, 0.0),
+                "gains_and_W_s": self.weights_s.get(e, 0.0),
+                "rss": self.rss.get(e, {}),
+            }
+        return out
+
+
+def run_loop(name: str, argv: list[str], device) -> dict:
+    """recast.main(argv) in this process under a Probe; what it measured, or why it failed."""
+    import torch
+
+    import recast
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    status, tic = "ok", time.perf_counter()
+    with Probe(recast, device) as probe:
+        try:
+            recast.main(argv)
+        except torch.OutOfMemoryError as e:
+            status = f"out of memory in phase {probe.phase}: {str(e).splitlines()[0]}"
+        except SystemExit as e:
+            status = f"exited with code {e.code} in phase {probe.phase}"
+        except Exception as e:  # noqa: BLE001 (reported, and the next run still made)
+            status = f"{type(e).__name__} in phase {probe.phase}: {e}"
+    for sig, handler in handlers.items():  # recast.py's own (finish the epoch) are its run's
+        signal.signal(sig, handler)
+    seconds = time.perf_counter() - tic
+    free_device_memory()
+    out = Path(argv[argv.index("--out") + 1])
+    metrics, used = [], {}
+    if (out / "metrics.jsonl").is_file():
+        from checkpoint import read_metrics  # a torn last line (a crash mid-append) skipped
+
+        metrics = read_metrics(str(out))
+    if (out / "args.json").is_file():
+        used = json.loads((out / "args.json").read_text())
+    return {"name": name, "status": status, "seconds": seconds, "metrics": metrics,
+            "args": used, "probe": probe.summary()}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory of the fused loss against the eager reference, at the real micro-batch
+# ---------------------------------------------------------------------------------------------
+def loss_memory(device, batch: int, latent: tuple, K: int, T: int) -> dict:
+    """Peak bytes above the inputs of one forward + backward (v_theta's gradient included) of
+    nft_loss and of reference_nft_loss, on `batch` fp32 rows of shape `latent` (the dtype
+    recast.py passes: world.v returns fp32), with v_ref (κ > 0)."""
+    import torch
+
+    from kernels.nft_loss import nft_loss, reference_nft_loss
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(batch, *latent, generator=gen) for _ in range(5)]
+    t = torch.rand(batch, generator=gen).clamp_min(0.05)
+    t_index = torch.randint(0, T, (batch,), generator=gen)
+    r = torch.rand(batch, K, generator=gen)
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    v_theta, v_old, x0, eps, v_ref = (x.to(device) for x in rows)
+    rest = [x.to(device) for x in (t, t_index, r, W)]
+
+    def step(fn, v):
+        fn(v, v_old, x0, eps, *rest, 0.1, 5.0, v_ref, 1e-4).backward()
+
+    out = {}
+    for name, fn in (("fused", nft_loss), ("reference", reference_nft_loss)):
+        step(fn, v_theta.clone().requires_grad_(True))  # warm-up (compiles the kernels on CUDA)
+        v = v_theta.clone().requires_grad_(True)
+        if device.type == "cuda":
+            free_device_memory()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step(fn, v)
+            torch.cuda.synchronize(device)
+            out[name] = torch.cuda.max_memory_allocated(device) - base
+        else:
+            out[name] = cpu_peak_bytes(lambda fn=fn, v=v: step(fn, v))
+    out["fused_is_reference_here"] = device.type != "cuda"
+    out["rows"], out["row_elements"] = batch, math.prod(latent)
+    return out
+
+
+def cpu_peak_bytes(fn) -> int | None:
+    """Peak bytes allocated during fn() beyond what was live when it started, from torch.profiler's
+    memory timeline (CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        from torch.profiler._memory_profiler import MemoryProfileTimeline
+    except ImportError:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                     with_stack=True) as prof:  # fmt: skip
+            fn()
+        _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(
+            torch.device("cpu"))  # fmt: skip
+    totals = [sum(s) for s in sizes]
+    return int(max(totals) - totals[0]) if totals else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------
+def run_flags(paths: dict, files: dict, r: dict, device, out: Path) -> list[str]:
+    """recast.py's command line for run settings `r`."""
+    flags = [
+        "--model", paths["pipe"], "--rewards", "paper1", "--lambda", LAMBDA,
+        "--prompts-file", files["train"], "--eval-prompts-file", files["eval"],
+        "--resolution", str(r["resolution"]), "--steps", str(r["steps"]),
+        "--prompts", str(r["prompts"]), "--group-size", str(r["group_size"]),
+        "--batch-size", str(r["batch_size"]), "--kl-coef", str(r["kl_coef"]),
+        "--epochs", str(r["epochs"]), "--eval-every", "10", "--eval-seeds", str(r["eval_seeds"]),
+        "--weighting", r["weighting"], "--device", device.type, "--out", str(out),
+    ]  # fmt: skip
+    if r["grad_checkpointing"]:
+        flags.append("--grad-checkpointing")
+    return flags
+
+
+def measure(run: dict, r: dict, cf: dict, rates: dict) -> dict:
+    """The figures of run `run`'s last epoch (its settings `r`), beside the cost model's."""
+    epoch = r["epochs"]
+    m = next((x for x in run["metrics"] if x.get("epoch") == epoch), None)
+    probe = run["probe"].get(epoch)
+    if m is None or probe is None or "time/update" not in m:
+        return {"status": run["status"], "epoch": epoch, "complete": False}
+    times = {ph: m[f"time/{ph}"] for ph in PHASES if f"time/{ph}" in m}
+    mem = {ph: m[f"mem/{ph}"] for ph in PHASES if f"mem/{ph}" in m}
+    mem_kind = "peak allocated GiB (max_memory_allocated, reset at each phase)"
+    if not mem:
+        mem = {ph: v for ph, v in probe["rss"].items() if v is not None}
+        mem_kind = "peak resident GiB of the whole process (VmHWM, reset at each phase; CPU)"
+    epoch_s = probe["wall_s"] - times.get("eval", 0.0)  # the epoch, without its eval
+    n = r["prompts"] * r["group_size"]
+    model = phase_flops(cf, {**r, "eval": "eval" in times}, epoch)
+    modelled = modelled_seconds(model, rates)
+    nft_s = probe["nft_fwd_s"] + probe["nft_bwd_s"]
+    out = {
+        "status": run["status"], "epoch": epoch, "complete": True, "time_s": times,
+        "mem_gib": mem, "mem_kind": mem_kind, "epoch_wall_s": probe["wall_s"], "epoch_s": epoch_s,
+        "sum_time_s": sum(times.values()), "images": n, "images_per_gpu_s": n / epoch_s,
+        "recast_share": times["recast"] / epoch_s,
+        "recast_step_scoring_s": probe["step_scoring_s"],
+        "recast_gains_W_s": probe["gains_and_W_s"],
+        "nft_loss": {"fwd_s": probe["nft_fwd_s"], "bwd_s": probe["nft_bwd_s"],
+                     "calls": probe["nft_calls"], "share_of_update": nft_s / times["update"]},
+        "modelled_tflop": {ph: v / 1e12 for ph, v in total(model).items()},
+        "modelled_s": modelled,
+        "measured_over_modelled": {ph: times[ph] / modelled[ph] for ph in times
+                                   if modelled.get(ph, 0) > 0},
+    }  # fmt: skip
+    if mem and "mem/rollout" in m:  # on a GPU: measured ÷ the data sheet's peak (H100/H200)
+        at_peak = modelled_seconds(model, peak_rates("H100/H200 SXM"))
+        out["measured_over_peak"] = {ph: times[ph] / at_peak[ph] for ph in times
+                                     if at_peak.get(ph, 0) > 0}  # fmt: skip
+    return out
+
+
+def epoch_flops(cf: dict, r: dict) -> float:
+    return sum(total(phase_flops(cf, r, 1)).values())
+
+
+def plan_1024_prompts(r512: dict, m512: dict, cf: dict, r1024: dict, left_s: float) -> int:
+    """The most prompts (≤ r1024's) whose 1024 px run fits in `left_s`: the measured 512 px epoch
+    and eval scaled by the cost model's FLOP ratios, plus a minute for loading and warm-up."""
+    per_prompt_512 = m512["epoch_s"] / r512["prompts"]
+    one = {"prompts": 1, "eval": False}
+    per_prompt = per_prompt_512 * epoch_flops(cf, {**r1024, **one}) / epoch_flops(
+        cf, {**r512, **one})  # fmt: skip
+    evals = {"prompts": 0, "eval": True}
+    eval_512 = epoch_flops(cf, {**r512, **evals})
+    eval_s = 2 * m512["time_s"].get("eval", 0.0) * epoch_flops(cf, {**r1024, **evals}) / eval_512
+    return max(0, min(r1024["prompts"], int((left_s - 60 - eval_s) // per_prompt)))
+
+
+def recast_defaults() -> dict:
+    """recast.py's defaults of the flags the docs' command leaves out (DEFAULTED)."""
+    import recast
+
+    return {k: getattr(recast.Args(), k) for k in DEFAULTED}
+
+
+def run_settings(args) -> tuple[dict, dict, dict]:
+    """Settings of the 512 px recast and uniform runs and of the 1024 px run."""
+    base = {**recast_defaults(), **(SHRUNK_RUN if args.shrink else FULL_RUN)}
+    base["prompts"] = args.prompts or base["prompts"]
+    base.update(epochs=2, weighting="recast", grad_checkpointing=False,
+                eval_images=base["eval_prompts"] * base["eval_seeds"])  # fmt: skip
+    uniform = {**base, "weighting": "uniform"}
+    r1024 = {**base, "resolution": 2 * base["resolution"], "epochs": 1, "grad_checkpointing": True}
+    return base, uniform, r1024
+
+
+def check(args, save) -> dict:
+    """The whole check; `save(report)` is called after every stage, so that a check stopped from
+    outside (a time limit) leaves the report of what it measured."""
+    import torch
+
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    device = torch.device("cpu" if args.shrink else "cuda")
+    budget = args.budget or (DEFAULT_BUDGET_S if device.type == "cuda" else 600.0)
+    c = load_configs(args.shrink)
+    r512, uniform, r1024 = run_settings(args)
+    cf = component_flops(c, (r512["resolution"], r1024["resolution"]))
+    rates = measure_rates(device)
+    channels = c["sd35m_transformer"]["in_channels"]
+    report = {
+        "device": device_name(device), "shrink": args.shrink, "software": software(),
+        "budget_s": budget, "configs": c, "matmul_tflops": {k: v / 1e12 for k, v in rates.items()},
+        "component_tflop": {k: v / 1e12 for k, v in cf.items()},
+        "run_settings": {"512-recast": r512, "512-uniform": uniform, "1024-recast": r1024},
+        "loss_memory": {
+            str(res): loss_memory(device, r512["batch_size"], (channels, res // 8, res // 8),
+                                  len(LAMBDA.split(",")), r512["steps"])
+            for res in (r512["resolution"], r1024["resolution"])
+        },
+        "runs": {}, "notes": [], "finished": False,
+    }  # fmt: skip
+
+    def saved() -> None:
+        rec, uni = report["runs"].get("512-recast", {}), report["runs"].get("512-uniform", {})
+        if rec.get("complete") and uni.get("complete"):
+            report["recast_over_uniform"] = rec["epoch_s"] / uni["epoch_s"]
+            share = (rec["epoch_s"] - uni["epoch_s"]) / rec["epoch_s"]
+            report["recast_minus_uniform_share"] = share
+        report["cost_model"] = cost_model_tables(cf, r512, r1024, rates, report["runs"])
+        report["seconds"] = time.perf_counter() - start
+        save(report)
+
+    with tempfile.TemporaryDirectory(prefix="scale_check_") as tmp:
+        tmp = Path(tmp)
+        tic = time.perf_counter()
+        dtype = torch.float32 if args.shrink else torch.bfloat16
+        built = build_and_save(c, tmp, device, dtype)
+        report["build_and_save_s"] = time.perf_counter() - tic
+        report["params"], paths = built["params"], built["paths"]
+        saved()
+        files = {"train": tmp / "prompts.txt", "eval": tmp / "eval.txt"}
+        files["train"].write_text("\n".join(prompts(max(64, r512["prompts"]))) + "\n")
+        files["eval"].write_text("\n".join(prompts(r512["eval_prompts"], 1000)) + "\n")
+        files = {k: str(v) for k, v in files.items()}
+        import rewards
+
+        os.environ.update(
+            RECAST_PICKSCORE=paths["clip_h"], RECAST_PICKSCORE_PROCESSOR=paths["clip_h"],
+            RECAST_CLIPSCORE=paths["clip_l14"], RECAST_AESTHETIC=paths["clip_l14"],
+            RECAST_AESTHETIC_HEAD=paths["aesthetic_head"],
+        )  # fmt: skip
+        real_hpsv2 = rewards.LOADERS["hpsv2"]
+        rewards.LOADERS["hpsv2"] = hpsv2_stand_in(paths["hpsv2_clip"], c["reward_image_size"])
+
+        made = []
+
+        def one(name: str, r: dict) -> None:
+            made.append(name)  # a folder of its own, also for a run repeated under its name
+            flags = run_flags(paths, files, r, device, tmp / "runs" / f"{len(made)}-{name}")
+            print(f"scale_check: {name}: python recast.py {' '.join(flags)}", flush=True)
+            run = run_loop(name, flags, device)
+            given = {k: v for k, v in run["args"].items() if k in r and v is not None}
+            r = {**r, **given}  # the values the run used, defaults included
+            report["runs"][name] = {"flags": flags, "settings": r, **measure(run, r, cf, rates),
+                                    "run_seconds": run["seconds"],
+                                    "metrics": run["metrics"]}  # fmt: skip
+            saved()
+
+        def skip(name: str, why: str) -> None:
+            report["runs"][name] = {"complete": False, "status": f"skipped: {why}"}
+            saved()
+
+        try:
+            one("512-recast", r512)
+            if "out of memory" in report["runs"]["512-recast"]["status"]:  # then: checkpointing
+                report["notes"].append("512 px without --grad-checkpointing: "
+                                       + report["runs"]["512-recast"]["status"]
+                                       + "; both 512 px runs were made with it")  # fmt: skip
+                r512, uniform = ({**r, "grad_checkpointing": True} for r in (r512, uniform))
+                report["run_settings"].update({"512-recast": r512, "512-uniform": uniform})
+                one("512-recast", r512)
+            left = budget - (time.perf_counter() - start)
+            if left < 0.8 * report["runs"]["512-recast"]["run_seconds"]:
+                skip("512-uniform", f"{left:.0f} s of the {budget:.0f} s budget left")
+            else:
+                one("512-uniform", uniform)
+            left = budget - (time.perf_counter() - start)
+            m512, n = report["runs"]["512-recast"], r1024["prompts"]
+            if device.type == "cuda":  # no 512 px epoch to scale from: a quarter of the prompts
+                n = (plan_1024_prompts(r512, m512, cf, r1024, left) if m512["complete"]
+                     else max(1, n // 4))  # fmt: skip
+            if n < 1:
+                skip("1024-recast", f"{left:.0f} s of the {budget:.0f} s budget left, too little "
+                     "for one prompt")  # fmt: skip
+            else:
+                if n < r1024["prompts"]:
+                    report["notes"].append(f"1024 px: {n} prompts instead of {r1024['prompts']}, "
+                                           "so that the check ends within its time "
+                                           "budget")  # fmt: skip
+                one("1024-recast", {**r1024, "prompts": n})
+        finally:
+            rewards.LOADERS["hpsv2"] = real_hpsv2
+    report["finished"] = True
+    saved()
+    return report
+
+
+def device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def software() -> dict:
+    import diffusers
+    import torch
+    import transformers
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    versions.update(diffusers=diffusers.__version__, transformers=transformers.__version__)
+    if torch.cuda.is_available():
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def peak_rates(hw: str) -> dict:
+    return {k: v * 1e12 for k, v in SPEC_TFLOPS[hw].items()}
+
+
+def cost_model_tables(cf: dict, r512: dict, r1024: dict, rates: dict, runs: dict) -> dict:
+    """Per resolution, one epoch (step scoring amortised over --gain-every, no eval): modelled
+    TFLOP and seconds per phase at this machine's measured matmul rates and at the data sheets'
+    peaks; where that resolution's run was measured on a GPU, each hardware's *extrapolated*
+    seconds: its data-sheet seconds × (measured ÷ data-sheet seconds here), phase by phase."""
+    out = {}
+    for key, r in (("512", r512), ("1024", r1024)):
+        f = phase_flops(cf, {**r, "eval": False}, amortised=True)
+        f.pop("eval")
+        entry = {"tflop": {k: v / 1e12 for k, v in total(f).items()},
+                 "s_at_measured_matmul": modelled_seconds(f, rates),
+                 "s_at_peak": {hw: modelled_seconds(f, peak_rates(hw))
+                               for hw in SPEC_TFLOPS}}  # fmt: skip
+        slow = runs.get(f"{key}-recast", {}).get("measured_over_peak")
+        if slow:
+            entry["extrapolated_s"] = {
+                hw: {ph: sec * slow[ph] for ph, sec in secs.items() if ph in slow}
+                for hw, secs in entry["s_at_peak"].items()
+            }
+        out[key] = entry
+    out["recast_share_by_setting"] = recast_shares(cf, r512)
+    return out
+
+
+SHARE_SETTINGS = (
+    (1.0, 1),
+    (0.5, 1),
+    (0.25, 1),
+    (0.125, 1),
+    (1.0, 2),
+)  # (--gain-frac, --gain-every)
+
+
+def recast_shares(cf: dict, r: dict) -> list[dict]:
+    """ReCAST's modelled share of an epoch (step scoring amortised, no eval) for each setting of
+    SHARE_SETTINGS: of the FLOPs, and of the time at the H100/H200 data sheet's peak of each
+    precision (the same efficiency in every phase). Were decoding and rewards run in bf16 like the
+    transformer, the time share would be the FLOP share."""
+    rows = []
+    for frac, every in SHARE_SETTINGS:
+        f = phase_flops(cf, {**r, "gain_frac": frac, "gain_every": every, "eval": False},
+                        amortised=True)  # fmt: skip
+        fl, sec = total(f), modelled_seconds(f, peak_rates("H100/H200 SXM"))
+        rows.append({"gain_frac": frac, "gain_every": every,
+                     "flop_share": fl["recast"] / sum(fl.values()),
+                     "time_share_at_peak": sec["recast"] / sum(sec.values()),
+                     "epoch_s_at_peak": sum(sec.values())})  # fmt: skip
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+
+
+def run_section(name: str, run: dict) -> list[str]:
+    L = [f"## {name}", ""]
+    if "flags" in run:
+        L += ["```", "python recast.py " + " ".join(run["flags"]), "```", ""]
+    if not run.get("complete"):
+        return L + [f"**Not measured**: {run['status']}", ""]
+    first = " (the first: warm-up included)" if run["epoch"] == 1 else ""
+    L += [f"Epoch {run['epoch']}{first}, status {run['status']}. Memory: {run['mem_kind']}.", ""]
+    rows = [[ph, run["time_s"][ph], run["mem_gib"].get(ph), run["modelled_tflop"].get(ph),
+             run["modelled_s"].get(ph), run["measured_over_modelled"].get(ph)]
+            for ph in PHASES if ph in run["time_s"]]  # fmt: skip
+    L += table(["phase", "seconds", "peak memory GiB", "modelled TFLOP", "modelled s",
+                "measured ÷ modelled"], rows)  # fmt: skip
+    nft = run["nft_loss"]
+    L += [
+        "",
+        f"- seconds per epoch, without eval: **{run['epoch_s']:.2f}** (wall clock, checkpoint and "
+        f"W.png included; with eval {run['epoch_wall_s']:.2f}; Σ time/* {run['sum_time_s']:.2f})",
+        f"- images per GPU-second: **{run['images_per_gpu_s']:.3f}** ({run['images']} images)",
+        f"- ReCAST's own share of the epoch (time/recast): **{run['recast_share']:.1%}** (step "
+        f"predictions scored in {run['recast_step_scoring_s']:.2f} s, gains + W in "
+        f"{run['recast_gains_W_s']:.3f} s)",
+        f"- fused nft_loss: forward {nft['fwd_s']:.4f} s + backward {nft['bwd_s']:.4f} s in "
+        f"{nft['calls']} calls, **{nft['share_of_update']:.2%}** of time/update",
+        "",
+    ]
+    return L
+
+
+def markdown(rep: dict) -> str:
+    size = (
+        f"every width ÷ {rep['shrink']}, depth ÷ {SHRINK_DEPTH}" if rep["shrink"] else "real size"
+    )
+    soft = ", ".join(f"{k} {v}" for k, v in rep["software"].items())
+    shrink_flag = f" --shrink {rep['shrink']}" if rep["shrink"] else ""
+    L = [
+        f"# SD3.5-Medium scale check ({size}, random weights)",
+        "",
+        f"`python benchmarks/scale_check.py{shrink_flag}`"
+        f" on **{rep['device']}** ({soft}): {rep['seconds']:.0f} s in all, of which "
+        f"{rep['build_and_save_s']:.0f} s building and saving the models.",
+        "",
+        "Every figure is **measured** here in this run, except those marked *modelled* (the FLOP "
+        "cost model) or *extrapolated* (the cost model scaled by what was measured here).",
+        "",
+        "Parameters (M): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in rep["params"].items())
+        + ". HPS v2.1 is a stand-in: a transformers CLIP of open_clip ViT-H-14's shape, scored by "
+        "rewards.hpsv2_scorer (the hpsv2 package is not installed).",
+        "",
+        "Matmul throughput measured here, TFLOP/s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in rep["matmul_tflops"].items()),
+        "",
+    ]  # fmt: skip
+    if not rep.get("finished"):
+        L += ["**Partial report**: written while the check was still running (a check stopped "
+              "from outside leaves this); the runs below are those finished by then.",
+              ""]  # fmt: skip
+    if rep["shrink"]:
+        L += [f"The runs keep their full-size names; their resolutions here are ÷ {rep['shrink']} "
+              "(see each command), and the runs' sizes are SHRUNK_RUN's, not the docs' "
+              "command.", ""]  # fmt: skip
+    L += [f"Note: {note}\n" for note in rep["notes"]]
+    for name, run in rep["runs"].items():
+        L += run_section(name, run)
+    if "recast_over_uniform" in rep:
+        L += ["## ReCAST against uniform weighting, same process", "",
+              f"Epoch seconds, recast ÷ uniform: **{rep['recast_over_uniform']:.3f}**; ReCAST's "
+              f"extra work is {rep['recast_minus_uniform_share']:.1%} of the recast epoch. Uniform "
+              "ran with --gain-every 2, so its epoch 2 scored no step predictions: DiffusionNFT's "
+              "work.", ""]  # fmt: skip
+    L += ["## Fused nft_loss against the eager reference", "",
+          "Peak memory above the inputs, forward + backward (gradient included), at the real "
+          "micro-batch:", ""]  # fmt: skip
+    rows = []
+    for res, lm in rep["loss_memory"].items():
+        mib = [None if lm[k] is None else lm[k] / 2**20 for k in ("fused", "reference")]
+        rows.append([res, f"{lm['rows']} × {lm['row_elements']}", *mib])
+    L += table(["px", "fp32 rows × elements", "fused MiB", "reference MiB"], rows)
+    if any(lm["fused_is_reference_here"] for lm in rep["loss_memory"].values()):
+        L += ["", "(On the CPU, outside the Triton interpreter, nft_loss is reference_nft_loss.)"]
+    L += cost_model_section(rep)
+    L += anchor_section(rep)
+    L += ["", "## All figures", "", "```json", json.dumps(rep, indent=1, default=str), "```", ""]
+    return "\n".join(L)
+
+
+def cost_model_section(rep: dict) -> list[str]:
+    cm = rep["cost_model"]
+    L = ["", "## Cost model (*modelled*)", "",
+         "FLOPs counted by torch.utils.flop_counter on meta-device models built from "
+         "benchmarks/configs (matmuls, convolutions, attention; elementwise work not counted), "
+         "per image (text encoders: per prompt; transformer backward: input gradients only, the "
+         "base weights being frozen):", ""]  # fmt: skip
+    L += table(["component", "TFLOP"], [[k, v] for k, v in rep["component_tflop"].items()])
+    for key, settings in (("512", "512-recast"), ("1024", "1024-recast")):
+        e, r = cm[key], rep["run_settings"][settings]
+        hws = list(SPEC_TFLOPS)
+        header = ["phase", "TFLOP", "s at matmul rates measured here"]
+        header += [f"s at {hw} peak" for hw in hws]
+        header += [f"{hw} s, *extrapolated*" for hw in hws] if "extrapolated_s" in e else []
+        rows = []
+        for ph in e["tflop"]:
+            row = [ph, e["tflop"][ph], e["s_at_measured_matmul"][ph]]
+            row += [e["s_at_peak"][hw][ph] for hw in hws]
+            if "extrapolated_s" in e:
+                row += [e["extrapolated_s"][hw].get(ph) for hw in hws]
+            rows.append(row)
+        ckpt = ", --grad-checkpointing" if r["grad_checkpointing"] else ""
+        L += ["", f"One epoch at {r['resolution']} px, {r['prompts']} prompts × "
+              f"{r['group_size']}, T = {r['steps']}{ckpt} (*modelled*, no eval; extrapolated "
+              "columns only where measured on a GPU):", ""]  # fmt: skip
+        L += table(header, rows)
+    L += ["", "ReCAST's share of a 512 px epoch (*modelled*; time at each precision's data-sheet "
+          "peak, the same efficiency in every phase):", ""]  # fmt: skip
+    rows = [[x["gain_frac"], x["gain_every"], f"{x['flop_share']:.1%}",
+             f"{x['time_share_at_peak']:.1%}"] for x in cm["recast_share_by_setting"]]  # fmt: skip
+    L += table(["--gain-frac", "--gain-every", "share of FLOPs", "share of time"], rows)
+    L += ["", "(Were decoding and the reward models run in bf16, like the transformer, the share "
+          "of time would be the share of FLOPs.)"]  # fmt: skip
+    return L
+
+
+def anchor_section(rep: dict) -> list[str]:
+    rec, uni = rep["runs"].get("512-recast", {}), rep["runs"].get("512-uniform", {})
+    if not rec.get("complete"):
+        return []
+    line = (f"{ANCHOR}: ≈ {ANCHOR_RATE:.2f} images per GPU-second, each image scored once per "
+            f"reward. Here, on {rep['device']}: **{rec['images_per_gpu_s']:.3f}** images per "
+            f"GPU-second with ReCAST, where each image's {rec['settings']['steps'] - 1} step "
+            "predictions are also decoded and scored by the 4 rewards")  # fmt: skip
+    if uni.get("complete"):
+        line += f"; {uni['images_per_gpu_s']:.3f} without that work (uniform, epoch 2)"
+    return ["", "## Anchor", "", line + "."]
+
+
+def print_cost_model() -> None:
+    """--cost-model: the cost model of the full-size configurations for docs/sd35.md's one-GPU
+    command (no device, nothing built)."""
+    c = load_configs()
+    r512 = {**recast_defaults(), **FULL_RUN, "grad_checkpointing": False, "eval_images": 0}
+    r1024 = {**r512, "resolution": 1024, "grad_checkpointing": True}
+    cf = component_flops(c, (512, 1024))
+    print("parameters (meta-device models of benchmarks/configs):")
+    for name, n in config_params(c).items():
+        print(f"  {name:<24} {n / 1e9:7.3f} B")
+    print("FLOPs per image (text encoders: per prompt):")
+    for k, v in cf.items():
+        print(f"  {k:<24} {v / 1e12:9.4f} TFLOP")
+    peaks = peak_rates("H100/H200 SXM")
+    for name, r in (("512 px", r512), ("1024 px, --grad-checkpointing", r1024)):
+        f = phase_flops(cf, {**r, "eval": False}, amortised=True)
+        fl, sec = total(f), modelled_seconds(f, peaks)
+        print(f"one epoch at {name} ({r['prompts']} prompts × {r['group_size']}, T = "
+              f"{r['steps']}, no eval), at the H100/H200 data-sheet peaks:")  # fmt: skip
+        for ph in ("rollout", "score", "recast", "update"):
+            print(f"  {ph:<8} {fl[ph] / 1e15:8.3f} PFLOP {sec[ph]:8.2f} s")
+    print("ReCAST's modelled share of a 512 px epoch (one-GPU command, no eval):")
+    print("  --gain-frac --gain-every  FLOP share  time share at peak")
+    for x in recast_shares(cf, r512):
+        print(f"  {x['gain_frac']:>11} {x['gain_every']:>12}  {x['flop_share']:>10.1%}  "
+              f"{x['time_share_at_peak']:>18.1%}")  # fmt: skip
+
+
+def config_params(c: dict) -> dict:
+    """Parameter counts of the configured models, built on the meta device."""
+    import torch
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPModel, CLIPTextModelWithProjection, T5EncoderModel
+
+    with torch.device("meta"):
+        models = {
+            "transformer": SD3Transformer2DModel(**c["sd35m_transformer"]),
+            "vae": AutoencoderKL(**c["sd35m_vae"]),
+            "clip_l_text": CLIPTextModelWithProjection(clip_text_config(c["clip_l_text"])),
+            "clip_g_text": CLIPTextModelWithProjection(clip_text_config(c["clip_g_text"])),
+            "t5xxl_encoder": T5EncoderModel(t5_config(c["t5xxl_encoder"])),
+            "clip_vit_h14": CLIPModel(clip_config(c["clip_vit_h14"])),
+            "clip_vit_l14": CLIPModel(clip_config(c["clip_vit_l14"])),
+        }
+    return {k: n_params(m) for k, m in models.items()}
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.cost_model:
+        print_cost_model()
+        return
+    import torch
+
+    if not args.shrink and not torch.cuda.is_available():
+        fail("--shrink", "the full-size check needs a CUDA GPU and there is none here; on the CPU "
+             "run the scaled-down check instead, e.g. --shrink 16")  # fmt: skip
+    path = Path(args.out) / "scale_check.md"
+
+    def save(report: dict) -> None:
+        os.makedirs(args.out, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(markdown(report))
+        os.replace(tmp, path)
+
+    report = check(args, save)
+    print(markdown(report).split("\n## All figures")[0])
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

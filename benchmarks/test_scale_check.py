@@ -1,0 +1,208 @@
+"""Tests of benchmarks/scale_check.py: `--shrink 16` runs the real loop on the CPU and its report
+holds every figure, for the recast, the uniform and the high-resolution run, within a minute;
+bad input exits 2 naming the flag and writes nothing; the configurations fit together at every
+--shrink; the cost model's arithmetic per phase."""
+
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import scale_check as sc
+
+ROOT = Path(__file__).resolve().parents[1]
+LAM = [0.4, 0.2, 0.2, 0.2]
+
+
+@pytest.fixture(scope="module")
+def shrunk(tmp_path_factory):
+    """`python benchmarks/scale_check.py --shrink 16` in a subprocess (one thread, no Triton
+    interpreter): (the report's text, its JSON, wall seconds, CPU seconds)."""
+    out = tmp_path_factory.mktemp("scale_check") / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    tic = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "benchmarks/scale_check.py", "--shrink", "16", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,  # a hang guard only
+    )  # fmt: skip
+    wall = time.perf_counter() - tic
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = (out / "scale_check.md").read_text()
+    report = json.loads(text.split("```json\n")[1].split("\n```")[0])
+    return text, report, wall, cpu
+
+
+def test_shrunk_check_takes_under_a_minute(shrunk):
+    """Under a minute of CPU time (one thread: on an idle machine the wall clock agrees; a
+    machine shared with other work stretches the wall clock, not this)."""
+    _, report, wall, cpu = shrunk
+    print(f"scale_check --shrink 16: {wall:.1f} s wall, {cpu:.1f} s CPU")
+    assert cpu <= 60, f"{cpu:.0f} s of CPU ({wall:.0f} s wall)"
+
+
+def test_recast_and_uniform_runs_were_both_made(shrunk):
+    _, report, _, _ = shrunk
+    runs = report["runs"]
+    assert set(runs) == {"512-recast", "512-uniform", "1024-recast"}
+    for name, weighting in (("512-recast", "recast"), ("512-uniform", "uniform")):
+        run = runs[name]
+        assert run["status"] == "ok" and run["complete"] and run["epoch"] == 2
+        flags = run["flags"]
+        assert flags[flags.index("--weighting") + 1] == weighting
+        assert [m["epoch"] for m in run["metrics"]] == [0, 1, 2]
+    rec, uni = runs["512-recast"]["metrics"], runs["512-uniform"]["metrics"]
+    T = runs["512-recast"]["settings"]["steps"]
+    # recast scored step predictions in both epochs; uniform (DiffusionNFT's work) in neither
+    assert "D" in rec[1] and "D" in rec[2] and "D" not in uni[1] and "D" not in uni[2]
+    W = torch.tensor(uni[2]["W"], dtype=torch.float64)
+    assert torch.allclose(W, torch.tensor(LAM, dtype=torch.float64)[:, None] / T, atol=1e-6)
+    W = torch.tensor(rec[2]["W"], dtype=torch.float64)
+    assert torch.allclose(W.sum(1), torch.tensor(LAM, dtype=torch.float64), atol=1e-5)
+    assert runs["512-uniform"]["recast_step_scoring_s"] == 0
+    assert runs["512-recast"]["recast_step_scoring_s"] > 0
+    assert report["recast_over_uniform"] > 0 and "recast_minus_uniform_share" in report
+    hi = runs["1024-recast"]
+    assert hi["complete"] and hi["epoch"] == 1
+    assert hi["settings"]["resolution"] == 2 * runs["512-recast"]["settings"]["resolution"]
+    assert "--grad-checkpointing" in hi["flags"]
+
+
+def positive(x) -> bool:
+    return isinstance(x, float | int) and math.isfinite(x) and x > 0
+
+
+def test_every_figure_is_reported(shrunk):
+    text, report, _, _ = shrunk
+    for name, run in report["runs"].items():
+        assert set(run["time_s"]) == set(sc.PHASES), name  # the last epoch evaluates too
+        assert set(run["mem_gib"]) == set(sc.PHASES) and all(map(positive, run["mem_gib"].values()))
+        assert all(t >= 0 for t in run["time_s"].values())
+        for key in ("epoch_s", "epoch_wall_s", "images_per_gpu_s"):
+            assert positive(run[key]), (name, key)
+        assert 0 <= run["recast_share"] < 1
+        nft = run["nft_loss"]
+        assert nft["calls"] > 0 and positive(nft["fwd_s"]) and positive(nft["bwd_s"])
+        assert 0 < nft["share_of_update"] < 1
+        modelled = {ph for ph, v in run["modelled_tflop"].items() if v > 0}
+        assert modelled == set(sc.PHASES) - ({"recast"} if name == "512-uniform" else set())
+        assert set(run["measured_over_modelled"]) == modelled
+        assert all(map(positive, run["measured_over_modelled"].values()))
+    assert report["runs"]["512-recast"]["recast_share"] > 0
+    assert set(report["loss_memory"]) == {"32", "64"}
+    for lm in report["loss_memory"].values():
+        assert positive(lm["fused"]) and positive(lm["reference"]) and lm["rows"] == 4
+    cm = report["cost_model"]
+    for key in ("512", "1024"):
+        assert set(cm[key]["tflop"]) == {"rollout", "score", "recast", "update"}
+        assert all(map(positive, cm[key]["tflop"].values()))
+        for hw in sc.SPEC_TFLOPS:
+            assert all(map(positive, cm[key]["s_at_peak"][hw].values()))
+    shares = cm["recast_share_by_setting"]
+    assert [(x["gain_frac"], x["gain_every"]) for x in shares] == list(sc.SHARE_SETTINGS)
+    assert all(0 < x["flop_share"] < 1 and 0 < x["time_share_at_peak"] < 1 for x in shares)
+    assert all(map(positive, report["component_tflop"].values()))
+    for heading in ("## 512-recast", "## 512-uniform", "## 1024-recast", "## Cost model",
+                    "## Fused nft_loss", "## ReCAST against uniform", "## Anchor"):  # fmt: skip
+        assert heading in text
+    body = text.split("## All figures")[0]
+    assert "nan" not in body.lower().split() and "None" not in body
+
+
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--shrink", "3"], "--shrink"),
+        (["--shrink", "32"], "--shrink"),
+        (["--shrink", "16", "--prompts", "-1"], "--prompts"),
+        (["--shrink", "16", "--budget", "-5"], "--budget"),
+        (["--shrink", "x"], "--shrink"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        sc.main([*flags, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {flag}:" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_unwritable_out_and_no_gpu_exit_2(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out in (a_file, a_file / "below"):
+        with pytest.raises(SystemExit) as e:
+            sc.main(["--shrink", "16", "--out", str(out)])
+        assert e.value.code == 2 and "error: --out:" in capsys.readouterr().err
+    assert a_file.read_text() == ""
+    if torch.cuda.is_available():
+        return
+    out = tmp_path / "full"
+    with pytest.raises(SystemExit) as e:
+        sc.main(["--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --shrink:" in err and "GPU" in err
+    assert "--shrink 16" in err and not out.exists()
+
+
+@pytest.mark.parametrize("shrink", [0, *sc.SHRINKS])
+def test_configurations_fit_together(shrink):
+    """What the pipeline needs of its parts, at the real size and at every --shrink: whole head
+    widths, the CLIP embeddings padded to T5's width, the pooled embeddings concatenated."""
+    c = sc.load_configs(shrink)
+    tr, t5 = c["sd35m_transformer"], c["t5xxl_encoder"]
+    clip_l, clip_g = c["clip_l_text"], c["clip_g_text"]
+    assert tr["num_attention_heads"] * tr["attention_head_dim"] == tr["caption_projection_dim"]
+    assert (
+        tr["joint_attention_dim"] == t5["d_model"] >= clip_l["hidden_size"] + clip_g["hidden_size"]
+    )
+    assert tr["pooled_projection_dim"] == clip_l["projection_dim"] + clip_g["projection_dim"]
+    assert t5["num_heads"] * t5["d_kv"] == t5["d_model"]
+    towers = [clip_l, clip_g] + [c[m][t] for m in ("clip_vit_h14", "clip_vit_l14")
+                                 for t in ("text_config", "vision_config")]  # fmt: skip
+    assert all(x["hidden_size"] % x["num_attention_heads"] == 0 for x in towers)
+    vae = c["sd35m_vae"]
+    assert all(w % vae["norm_num_groups"] == 0 for w in vae["block_out_channels"])
+    assert set(tr["dual_attention_layers"]) <= set(range(tr["num_layers"]))
+    if not shrink:
+        assert tr["num_layers"] == 24 and tr["dual_attention_layers"] == list(range(13))
+
+
+def test_phase_flops_count_each_phase():
+    """phase_flops against the counts written out: T forwards per image in the rollout, a decode
+    and K rewards per image in scoring, (T-1) of them per scored image for ReCAST, and per trained
+    pair the policy's forward and backward, the old and the reference forward."""
+    cf = {"transformer_fwd@512": 2.0, "transformer_bwd@512": 3.0, "vae_decode@512": 5.0,
+          "clip_l_text": 0.1, "clip_g_text": 0.2, "t5xxl": 0.7, "clip_h_image": 1.0,
+          "clip_h_text": 0.5, "clip_l14_image": 0.25, "clip_l14_text": 0.125,
+          "aesthetic_head": 0.0}  # fmt: skip
+    rewards = 2 * 1.5 + 0.375 + 0.25
+    r = {**sc.FULL_RUN, "train_frac": 0.5, "gain_frac": 1.0, "gain_every": 1,
+         "grad_checkpointing": False, "eval_images": 8, "eval": True}  # fmt: skip
+    f = sc.phase_flops(cf, r, epoch=1)
+    n, T, P = 64, 10, 8
+    assert f["rollout"] == {"bf16": n * T * 2.0 + P * 1.0}
+    assert f["score"] == {"tf32": n * 5.0, "fp32": n * rewards}
+    assert f["recast"] == {"tf32": n * (T - 1) * 5.0, "fp32": n * (T - 1) * rewards}
+    assert f["update"] == {"bf16": 320 * (2.0 + 3.0 + 2.0 + 2.0) + P * 1.0}
+    assert f["eval"] == {"bf16": 8 * (T * 2.0 + 1.0), "tf32": 8 * 5.0, "fp32": 8 * rewards}
+    half = sc.phase_flops(cf, {**r, "gain_frac": 0.5}, epoch=1)["recast"]
+    assert half == {k: v / 2 for k, v in f["recast"].items()}
+    every2 = {**r, "gain_every": 2}
+    assert sc.phase_flops(cf, every2, epoch=2)["recast"] == {"tf32": 0.0, "fp32": 0.0}
+    assert sc.phase_flops(cf, every2, epoch=3)["recast"] == f["recast"]
+    assert sc.phase_flops(cf, every2, amortised=True)["recast"] == half
+    more = sc.phase_flops(cf, {**r, "grad_checkpointing": True, "kl_coef": 0.0})["update"]
+    assert more == {"bf16": 320 * (2.0 + 3.0 + 2.0 + 2.0) + P * 1.0}  # +1 recompute, -1 ref
+    secs = sc.modelled_seconds(f, {"bf16": 4.0, "tf32": 2.0, "fp32": 1.0})
+    assert secs["score"] == n * 5.0 / 2.0 + n * rewards
