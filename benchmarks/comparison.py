@@ -74,6 +74,11 @@ ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ =
     "sum": ["--weighting", "sum"],
     "recast-shift1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"],
     "recast-shift2": ["--weighting", "recast", "--tau", "1", "--gain-shift", "2"],
+    "recast-frac1": ["--weighting", "recast", "--tau", "1", "--gain-frac", "1"],
+    "recast-frac0.5": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.5"],
+    "recast-frac0.25": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.25"],
+    "recast-frac0.125": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.125"],
+    "recast-every2": ["--weighting", "recast", "--tau", "1", "--gain-every", "2"],
 }
 NAMES = list(ToyWorld.reward_names)
 JUDGES = list(ToyWorld.judge_names)
@@ -106,6 +111,21 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             ("recast-shift2", "recast-tau1", "shift 2 against shift 0 (pre-registered, decides)"),
         ],
     },
+    "scoring": {  # how W and the outcome degrade when fewer step predictions are scored (#22)
+        "arms": [
+            "uniform",
+            "recast-frac1",
+            "recast-frac0.5",
+            "recast-frac0.25",
+            "recast-frac0.125",
+            "recast-every2",
+        ],  # fmt: skip
+        "pairs": [
+            (a, "recast-frac1", "cheaper scoring against full scoring")
+            for a in ("recast-frac0.5", "recast-frac0.25", "recast-frac0.125", "recast-every2")
+        ],  # fmt: skip
+        "budgets": ["0.4,0.2,0.2,0.2"],
+    },
 }
 REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
 REPRODUCE_TOL = 1e-5  # the shift study's protocol (docs/results.md)
@@ -122,21 +142,20 @@ def done(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "summary.json"))
 
 
-def plan(seeds: int, arms: list[str]) -> list[tuple[str, str, int]]:
+def plan(seeds: int, arms: list[str], budgets: list[str] = BUDGETS) -> list[tuple[str, str, int]]:
     """Every (budget, arm, seed), seed by seed: the order `run` starts them in."""
-    return [(lam, arm, s) for s in range(seeds) for lam in BUDGETS for arm in arms]
+    return [(lam, arm, s) for s in range(seeds) for lam in budgets for arm in arms]
 
 
 def compact(lines: list[dict]) -> list[dict]:
-    """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*), at
-    each eval the held-out scores and gaps, and the last eval's W."""
+    """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*) and
+    W, and at each eval the held-out scores and gaps. (Runs archived before the scoring study
+    kept W at their last eval only.)"""
     out = []
     for m in lines:
         c = {"epoch": m["epoch"], "time": sum(v for k, v in m.items() if k.startswith("time/"))}
-        c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/"))})
+        c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/", "W"))})
         out.append(c)
-    last = max(i for i, m in enumerate(lines) if "gap/weighted" in m)
-    out[last]["W"] = lines[last]["W"]
     return out
 
 
@@ -181,8 +200,9 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 def run(args) -> None:
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
-    arms = STUDIES[args.study]["arms"]
-    everything, have = plan(args.seeds, arms), finished(args, arms)  # a folder's or the archive's
+    arms, budgets = STUDIES[args.study]["arms"], STUDIES[args.study].get("budgets", BUDGETS)
+    everything = plan(args.seeds, arms, budgets)
+    have = finished(args, arms)  # a folder's or the archive's
     keys = [key for key in everything if key not in have]
     total, left = len(everything), len(keys)
     print(f"study {args.study}: {total} runs, {left} to go; two at a time; recast.py of "
@@ -262,6 +282,41 @@ def rule_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], dict[str
     return lines, words
 
 
+def w_error(res, seeds, budgets, pairs, out_dir: str) -> list[str]:
+    """The scoring study: per epoch, Σ|W_a − W_full| between each cheaper-scoring arm a and full
+    scoring in the same seed (mean over seeds), printed and drawn in w_error.png."""
+    out = ["", "W's L1 distance from full scoring's W in the same seed (mean over seeds), by "
+           "epoch:", ""]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for lam in budgets:
+        for a, b, _ in pairs:
+            per_seed = []
+            for s in seeds[lam]:
+                Wa = {m["epoch"]: torch.tensor(m["W"]) for m in res[lam, a, s] if "W" in m}
+                Wb = {m["epoch"]: torch.tensor(m["W"]) for m in res[lam, b, s] if "W" in m}
+                per_seed.append([float((Wa[e] - Wb[e]).abs().sum()) for e in sorted(Wa)])
+            curve = torch.tensor(per_seed).mean(0).tolist()
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=2, label=a)
+            shown = sorted({e for e in (1, 5, 10, 15) if e < len(curve)} | {len(curve)})
+            each = ", ".join(f"epoch {e} {curve[e - 1]:.3f}" for e in shown)
+            out.append(f"- λ = {lam}, {a}: {each}; mean {statistics.fmean(curve):.3f}")
+        full = [{m["epoch"]: torch.tensor(m["W"]) for m in res[lam, pairs[0][1], s] if "W" in m}
+                for s in seeds[lam]]  # fmt: skip
+        floor = [float((x[e] - y[e]).abs().sum()) for i, x in enumerate(full) for y in full[i + 1 :]
+                 for e in x]  # fmt: skip
+        if floor:  # W's own spread: full scoring in two different seeds, the same epoch
+            out.append(f"- λ = {lam}, the noise floor (full scoring, seed against seed, every "
+                       f"epoch): mean {statistics.fmean(floor):.3f}")  # fmt: skip
+            ax.axhline(statistics.fmean(floor), color="grey", ls=":", lw=1, label="seed vs seed")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("Σ|W − W(full scoring)|, same seed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "w_error.png"), dpi=110)
+    plt.close(fig)
+    return out
+
+
 def l1_from_uniform(W: list[list[float]], lam: str) -> float:
     """Σ_k,i |W_k,i - λ_k/T|: 0 for uniform weighting, 2 at most."""
     W = torch.tensor(W, dtype=torch.float64)
@@ -308,15 +363,16 @@ def decide(gap, budgets, judge_words, partial: bool) -> list[str]:
 def report(args) -> None:
     study = STUDIES[args.study]
     arms, out_dir = study["arms"], os.path.join(args.out, args.study)
+    os.makedirs(out_dir, exist_ok=True)
     res = finished(args, arms)
     seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
-             for lam in BUDGETS}  # fmt: skip
+             for lam in study.get("budgets", BUDGETS)}  # fmt: skip
     if not any(seeds.values()):
         print(f"study {args.study}: nothing finished yet: no (budget, seed) with all arms done")
         return
-    res = {(lam, a, s): res[lam, a, s] for lam in BUDGETS for a in arms for s in seeds[lam]}
+    res = {(lam, a, s): res[lam, a, s] for lam in seeds for a in arms for s in seeds[lam]}
     fin = {k: evals(v)[-1] for k, v in res.items()}
-    budgets = [lam for lam in BUDGETS if seeds[lam]]
+    budgets = [lam for lam in seeds if seeds[lam]]
     gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
            for lam in budgets for a in arms}  # fmt: skip
     rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
@@ -345,7 +401,7 @@ def report(args) -> None:
     lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", ""]
     partial = min(len(ss) for ss in seeds.values()) < args.seeds
     if partial:  # the protocol decides on every seed: a part of them decides nothing
-        have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in BUDGETS)
+        have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in seeds)
         note = (
             f"**Partial, not a result:** finished seeds per budget ({have}) of the "
             f"{args.seeds} the protocol decides on; every verdict below is provisional."
@@ -378,6 +434,8 @@ def report(args) -> None:
         lines += rule_lines(fin, seeds, budgets, a, b)[0]
     if args.study == "shift":
         lines += decide(gap, budgets, judge_words, partial)
+    if args.study == "scoring":
+        lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
     lines += ["", "Does W's distance from uniform predict the gain? Per budget: the mean final "
               "W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
               "uniform; Spearman ρ over the budgets:", ""]  # fmt: skip
@@ -394,7 +452,7 @@ def report(args) -> None:
         late = [[m["gap/weighted"] for m in evals(res[lam, "uniform", s])[-3:]] for s in seeds[lam]]
         steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
         lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
-    ses = [se for se in (s for _, s in summary["recast-tau1"]) if se == se]
+    ses = [se for se in (s for _, s in summary.get("recast-tau1", [])) if se == se]
     if ses:
         lines.append(f"\nResolvable difference (2 × the median paired SE of recast-tau1 over the "
                      f"budgets): {2 * statistics.median(ses):.3f}")  # fmt: skip
@@ -403,7 +461,6 @@ def report(args) -> None:
         "\nBase model: " + ", ".join(f"{n} {base[f'eval/{n}']:+.3f}" for n in NAMES + JUDGES)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
-    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(res, fin, gap, seeds, arms, out_dir)
@@ -509,7 +566,8 @@ if __name__ == "__main__":
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce"])
     ap.add_argument("--study", choices=list(STUDIES), default="tau",
-                    help="which comparison: tau (the first) or shift (the alignment)")  # fmt: skip
+                    help="which comparison: tau (the first), shift (the alignment) or scoring "
+                         "(fewer step predictions scored)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--code", default=ROOT,

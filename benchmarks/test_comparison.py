@@ -49,7 +49,7 @@ def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
 def sweep(tmp_path):
     out = tmp_path / "sweep"
     for j, lam in enumerate(cmp.BUDGETS):
-        for arm in cmp.ARMS:
+        for arm in OFFSETS:  # the tau and shift studies' arms
             for seed in (0, 1):
                 fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
     return argparse.Namespace(
@@ -162,3 +162,27 @@ def test_shift_study_without_a_qualifier_keeps_the_default(sweep):
     cmp.report(sweep)
     table = open(os.path.join(sweep.out, "shift", "table.md")).read()
     assert "- default: --gain-shift 0 (none qualifies: unchanged)" in table
+
+
+def test_scoring_study_reports_w_error_per_epoch(sweep):
+    """The scoring study: one budget; W's L1 distance from full scoring's, epoch by epoch."""
+    sweep.study = "scoring"
+    for arm, bump in (("recast-frac1", 0.0), ("recast-frac0.5", 0.01), ("recast-frac0.25", 0.02),
+                      ("recast-frac0.125", 0.04), ("recast-every2", 0.0)):  # fmt: skip
+        for seed in (0, 1):
+            path = cmp.folder(sweep.out, cmp.BUDGETS[0], arm, seed)
+            fake_run(path, 0, "recast-tau1", seed)
+            lines = cmp.read_metrics(path)
+            for m in lines[1:]:  # W moves off λ/T by bump·epoch in two cells
+                m["W"] = [row[:] for row in m["W"]]
+                m["W"][0][0] += bump * m["epoch"]
+                m["W"][1][0] -= bump * m["epoch"]
+            with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in lines)
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "scoring", "table.md")).read()
+    assert "Partial" not in table  # one budget is the whole study
+    assert "- λ = 0.4,0.2,0.2,0.2, recast-frac0.125: epoch 1 0.080, " in table  # 2 · 0.04 · 1
+    assert "- λ = 0.4,0.2,0.2,0.2, recast-every2: epoch 1 0.000, " in table
+    assert "the noise floor (full scoring, seed against seed, every epoch): mean 0.000" in table
+    assert os.path.getsize(os.path.join(sweep.out, "scoring", "w_error.png")) > 0
