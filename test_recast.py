@@ -1094,7 +1094,10 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
     """Same global batch on 2 ranks (2 epochs, then --resume to 3) and on 1 (3 epochs): every
     epoch both ranks hold bit-identical W, θ and θ_old (recast.py checks it and logs the digest),
     and the runs agree up to float summation order: W within 1e-5, rewards, evals and loss within
-    1e-4 relative, the weights' change within 1e-4 relative (seen: 9e-7, 3e-7, 1e-5)."""
+    1e-4 relative, the weights' change within 5e-4 relative (seen: 9e-7, 3e-7, 1e-5 on earlier
+    machines; 1.35e-4 on a 2-core machine with torch 2.13.0, at commit 330a7ac as after it: three
+    epochs of Adam amplify the summation-order differences, and a wrong gradient average would be
+    off by far more)."""
     from safetensors.torch import load_file
 
     flags = ["--model", random_toy_model, *TOY]
@@ -1114,7 +1117,7 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
     keys = [k for k in last[1] if k.startswith("policy.")]
     change = [torch.cat([(w[k] - base[k[7:]].float()).flatten() for k in keys]) for w in last]
     assert change[1].norm() > 0.01
-    assert (change[0] - change[1]).norm() / change[1].norm() < 1e-4
+    assert (change[0] - change[1]).norm() / change[1].norm() < 5e-4
 
 
 def _desync_worker(rank: int, init_file: str, differ: bool, results):
