@@ -1096,8 +1096,8 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
     and the runs agree up to float summation order: W within 1e-5, rewards, evals and loss within
     1e-4 relative, the weights' change within 5e-4 relative (seen: 9e-7, 3e-7, 1e-5 on earlier
     machines; 1.35e-4 on a 2-core machine with torch 2.13.0, at commit 330a7ac as after it: three
-    epochs of Adam amplify the summation-order differences, and a wrong gradient average would be
-    off by far more)."""
+    epochs of Adam amplify the summation-order differences; a rank's gradient missing from the
+    average, or an image on the wrong rank, moves the weights by far more)."""
     from safetensors.torch import load_file
 
     flags = ["--model", random_toy_model, *TOY]
