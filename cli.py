@@ -122,10 +122,11 @@ def check(args, world_size: int, resumable: set[str]) -> None:
     for name in ["decay_rate", "kl_coef"]:
         if not 0 <= getattr(args, name) < math.inf:
             fail(flag_of(name), f"must be ≥ 0 and finite, got {getattr(args, name)}")
-    scored = max(1, round(args.gain_frac * (args.prompts // world_size))) * world_size
-    if args.profile and scored < 2:
-        fail("--prompts", f"--profile compares prompt groups and would score {scored}: give "
-             "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip
+    if args.profile:  # it compares the groups that score_steps scores: at least 2
+        scored = max(1, round(args.gain_frac * (args.prompts // world_size))) * world_size
+        if scored < 2:
+            fail("--prompts", f"--profile compares prompt groups and would score {scored}: give "
+                 "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip
     if args.prompts % world_size or args.batch_size % world_size:
         fail("--prompts", f"--prompts and --batch-size must be multiples of {world_size} processes")
     if args.out and os.path.exists(args.out) and not args.resume:

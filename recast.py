@@ -38,17 +38,12 @@ import checkpoint
 import cli
 import hub
 import plots
+import reward_profile
 import rewards
 import toyworld
 from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
-from kernels.renyi import (
-    gain_profiles,
-    group_optimality,
-    recast_weights,
-    reference_renyi_gains,
-    renyi_gains,
-)
+from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains
 from plots import centroid
 
 
@@ -82,7 +77,7 @@ class Args:
     """share ε_f of each reward's profile spread evenly over the steps"""
     gain_shift: int = 0
     """W column i uses the gain of step i-S (DESIGN §4, alignment): 0 credits D_i+1 - D_i to
-    timestep i, 1 credits D_i - D_i-1; the first S columns get the static mix λ and the last S
+    timestep i, 1 credits D_i - D_i-1; the first S columns get about the static mix λ, the last S
     gains are dropped (the last is ≈ 0 with an Euler sampler). recast/reversed only"""
     gain_ema: float = 0.8
     """EMA of the gains across epochs (0: this epoch's gains only)"""
@@ -532,14 +527,9 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
             None if gains_ema is None else gain_profiles(gains_ema, args.floor, args.gain_shift)
         )
         plots.save_weights_figure(
-            os.path.join(args.out, "W.png"),
-            W,
-            profiles,
-            run.lam,
-            run.names,
-            run.sigmas.cpu(),
+            os.path.join(args.out, "W.png"), W, profiles, run.lam, run.names, run.sigmas.cpu(),
             f"epoch {epoch}  ·  --weighting {args.weighting}",
-        )
+        )  # fmt: skip
         if run.tensorboard:
             run.tensorboard.epoch(m, args.out)
         if epoch % args.ckpt_every == 0 or last:
@@ -553,36 +543,12 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
 # ---------------------------------------------------------------------------------------------
 # --profile: one rollout, its step predictions scored, the gains and W, and no training
 # ---------------------------------------------------------------------------------------------
-BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
-
-
-def bootstrap(step_scores: torch.Tensor, run: "Run") -> dict[str, torch.Tensor]:
-    """Std over BOOTSTRAP resamples (with replacement) of the scored prompt groups of: the gain
-    profiles, their centroids, W's centroids and W's L1 distance from uniform."""
-    args, G = run.args, run.args.group_size
-    K, T1, n = step_scores.shape
-    groups = step_scores.double().cpu().view(K, T1, n // G, G)
-    gen = torch.Generator().manual_seed(args.seed)
-    draws = {"profiles": [], "centroids": [], "W_centroids": [], "l1_from_uniform": []}
-    for _ in range(BOOTSTRAP):
-        pick = torch.randint(n // G, (n // G,), generator=gen)
-        s = groups[:, :, pick].reshape(K, T1, n)
-        _, gains = reference_renyi_gains(s, G, args.alpha, args.adv_clip_max)
-        prof = gain_profiles(gains, args.floor, args.gain_shift)
-        W = recast_weights(gains, run.lam, args.tau, args.floor, args.gain_shift).double()
-        draws["profiles"].append(prof)
-        draws["centroids"].append(centroid(prof))
-        draws["W_centroids"].append(centroid(W))
-        draws["l1_from_uniform"].append((W - run.lam[:, None] / (T1 - 1)).abs().sum())
-    return {k: torch.stack(v).std(0) for k, v in draws.items()}
-
-
 def profile(run: "Run") -> None:
     """--profile: the base model's (or --resume's latest policy's) rollout of one epoch, every
-    step prediction scored by every reward (DESIGN §4), the gains, the profiles and the W of
-    DESIGN §5 for the given --lambda/--tau/--floor/--gain-shift, with their spread over bootstrap
-    resamples of the groups: printed, and written to OUT/profile.png and OUT/profile.json."""
-    args, world, names, T, G = run.args, run.world, run.names, run.args.steps, run.args.group_size
+    step prediction scored by every reward (DESIGN §4), and what reward_profile.py makes of the
+    gains (profiles and W of DESIGN §5 with their bootstrap spread): printed, and written to
+    OUT/profile.png and OUT/profile.json."""
+    args, world, G = run.args, run.world, run.args.group_size
     tic, source, epoch = time.perf_counter(), "the base model", 1
     if args.resume:
         ckpt = checkpoint.load_latest(args.out, run.log)
@@ -596,69 +562,22 @@ def profile(run: "Run") -> None:
     final = score_all(run.reward_fns, world.decode(x0), per_image)
     step_scores = score_steps(run, preds, final, per_image)  # (K, T+1, every rank's scored)
     D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)
-    D, gains = D.double().cpu(), gains.double().cpu()
-    profiles = gain_profiles(gains, args.floor, args.gain_shift)
-    W = recast_weights(gains, run.lam, args.tau, args.floor, args.gain_shift).double()
-    uniform = run.lam[:, None].expand(len(names), T) / T
-    spread = bootstrap(step_scores, run)
-    seconds = time.perf_counter() - tic
+    p = reward_profile.report(step_scores, D, gains, run.lam, run.names, args, source)
+    p["seconds"] = time.perf_counter() - tic
     if dist.is_initialized():
         dist.destroy_process_group()
     if run.rank > 0:
         return
-    n, groups = step_scores.shape[-1], step_scores.shape[-1] // G
-    report = {
-        "source": source, "images_scored": n, "groups": groups, "group_size": G, "steps": T,
-        "names": names, "lam": run.lam.tolist(), "tau": args.tau, "floor": args.floor,
-        "gain_shift": args.gain_shift, "D": D.tolist(), "gains": gains.tolist(),
-        "profiles": profiles.tolist(), "centroids": centroid(profiles).tolist(), "W": W.tolist(),
-        "W_centroids": centroid(W).tolist(), "uniform_centroid": (T - 1) / 2,
-        "centroid_shift": (centroid(W) - (T - 1) / 2).tolist(),
-        "l1_from_uniform": float((W - uniform).abs().sum()),
-        "bootstrap": {"resamples": BOOTSTRAP, **{k: v.tolist() for k, v in spread.items()}},
-        "seconds": seconds,
-    }  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    checkpoint.write_json_atomic(os.path.join(args.out, "profile.json"), report)
+    checkpoint.write_json_atomic(os.path.join(args.out, "profile.json"), p)
     plots.save_weights_figure(
-        os.path.join(args.out, "profile.png"), W, profiles, run.lam, names, run.sigmas.cpu(),
-        f"profile of {source}: {n} images in {groups} groups (bands: ± 1 std over "
-        f"{BOOTSTRAP} resamples of the groups)", spread=spread["profiles"],
+        os.path.join(args.out, "profile.png"), p["W"], p["profiles"], run.lam, run.names,
+        run.sigmas.cpu(), f"profile of {source}: {p['images_scored']} images in {p['groups']} "
+        f"groups (bands: ± 1 std over {reward_profile.BOOTSTRAP} resamples of the groups)",
+        spread=torch.tensor(p["bootstrap"]["profiles"]),
     )  # fmt: skip
-    for line in profile_lines(report):
-        print(line)
+    print("\n".join(reward_profile.lines(p)))
     print(f"wrote {args.out}/profile.png, {args.out}/profile.json")
-
-
-def profile_lines(p: dict) -> list[str]:
-    """What profile.json says, in plain words."""
-    T, sd = p["steps"], p["bootstrap"]
-    lines = [
-        f"profile of {p['source']}: {p['groups']} prompts × {p['group_size']} images = "
-        f"{p['images_scored']} images, each step prediction and final image scored by "
-        f"{len(p['names'])} rewards ({p['seconds']:.0f} s: one rollout and its scoring; an epoch "
-        "also updates and evaluates)",
-        f"{'reward':<12} {'λ':>5}  {'informative':<11}  profile centroid  W centroid "
-        f"(uniform {p['uniform_centroid']:.1f})",
-    ]
-    for k, n in enumerate(p["names"]):
-        c = p["centroids"][k]
-        when = "early" if c < (T - 1) / 2 - 1 else "late" if c > (T - 1) / 2 + 1 else "mid-way"
-        lines.append(
-            f"{n:<12} {p['lam'][k]:>5.2f}  {when:<11}  {c:5.2f} ± {sd['centroids'][k]:.2f}     "
-            f"{p['W_centroids'][k]:5.2f} ({p['centroid_shift'][k]:+.2f})"
-        )
-    lines += [
-        f"W's L1 distance from uniform weighting λ/T: {p['l1_from_uniform']:.2f} ± "
-        f"{sd['l1_from_uniform']:.2f} (0: ReCAST would weight like uniform; 2: disjoint)",
-        f"± is the std over {sd['resamples']} bootstrap resamples of the {p['groups']} prompt "
-        "groups: a profile from few groups is noisy; raise --prompts for a firmer one.",
-        "In the toy world's comparison (docs/results.md), the budget whose W lay furthest from "
-        "uniform gained most over uniform, but five budgets are weak evidence, and across τ a W "
-        "further from uniform did not gain more: the distance says where ReCAST differs, not "
-        "that it will win.",
-    ]
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,8 +619,9 @@ def setup(argv: list[str] | None) -> Run:
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     cli.check(args, world_size, RESUMABLE)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
     ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
-    if ignored and int(os.environ.get("RANK", "0")) == 0:
+    if ignored and rank0:
         print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
     known = [*rewards.REWARDS, *rewards.LOADERS]
     names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
@@ -725,7 +645,7 @@ def setup(argv: list[str] | None) -> Run:
             sd3world.check(args, names, judges)  # --rewards, --judges, --prompts-file
         except sd3world.BadInput as e:
             cli.fail(e.flag, str(e))
-    if args.resume and not args.profile and int(os.environ.get("RANK", "0")) == 0:
+    if args.resume and not args.profile and rank0:
         checkpoint.lock_run(args.out)  # another live run in this folder: exit 2, at once
     rank, device = init_processes(args, distributed)
     world = load_world(args, device)

@@ -59,6 +59,7 @@ from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import reward_profile  # noqa: E402
 from benchmarks.summarize import mean_std, spearman  # noqa: E402
 from checkpoint import read_metrics  # noqa: E402
 from toyworld import ToyWorld  # noqa: E402
@@ -318,10 +319,9 @@ def w_error(res, seeds, budgets, pairs, out_dir: str) -> list[str]:
 
 
 def l1_from_uniform(W: list[list[float]], lam: str) -> float:
-    """Σ_k,i |W_k,i - λ_k/T|: 0 for uniform weighting, 2 at most."""
-    W = torch.tensor(W, dtype=torch.float64)
+    """Σ_k,i |W_k,i - λ_k/T| of an archived W and a budget string (reward_profile's)."""
     budgets = torch.tensor([float(x) for x in lam.split(",")], dtype=torch.float64)
-    return float((W - budgets[:, None] / budgets.sum() / W.shape[1]).abs().sum())
+    return reward_profile.l1_from_uniform(torch.tensor(W, dtype=torch.float64), budgets)
 
 
 def beats(words: list[str]) -> bool:
