@@ -556,6 +556,27 @@ def same_on_all_ranks(tensors: dict[str, torch.Tensor], when: str) -> str:
 LOST = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")
 
 
+def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
+    """main(), with the faults of a run (not of the code) ending it with exit 1 and one line
+    instead of a traceback: `faults` (a reward's NaN, a non-finite loss), WriteFailed, a full disk
+    while writing a picture or a log, and under torchrun a lost rank or node."""
+    try:
+        main()
+    except (*faults, WriteFailed) as e:
+        print(f"recast.py: stopped: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # a picture or log that a full disk refused
+        if e.errno not in DISK_FULL:
+            raise
+        folder = os.path.dirname(e.filename or "") or "."
+        what = os.path.basename(e.filename or "a file")
+        print(f"recast.py: stopped: {write_failed(e, what, folder)}", file=sys.stderr)
+        sys.exit(1)
+    except RuntimeError as e:  # under torchrun: a rank or node lost
+        exit_if_rank_lost(e)  # names it and exits 1; returns for any other error
+        raise
+
+
 def exit_if_rank_lost(e: BaseException) -> None:
     """Under torchrun, when `e` is a collective that failed because another rank died or stopped
     answering: print which ranks do not answer and the --resume command, and end this process at

@@ -25,7 +25,6 @@ Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion R
 
 import math
 import os
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -674,19 +673,5 @@ def setup(argv: list[str] | None) -> Run:
                optimizer)  # fmt: skip
 
 
-if __name__ == "__main__":
-    try:
-        main()
-    except (rewards.RewardError, FloatingPointError, checkpoint.WriteFailed) as e:
-        print(f"recast.py: stopped: {e}", file=sys.stderr)  # a fault of the run, not of the code
-        sys.exit(1)
-    except OSError as e:  # a picture or log that a full disk refused
-        if e.errno not in checkpoint.DISK_FULL:
-            raise
-        folder = os.path.dirname(e.filename or "") or "."
-        what = os.path.basename(e.filename or "a file")
-        print(f"recast.py: stopped: {checkpoint.write_failed(e, what, folder)}", file=sys.stderr)
-        sys.exit(1)
-    except RuntimeError as e:  # under torchrun: a rank or node lost
-        checkpoint.exit_if_rank_lost(e)  # names it and exits 1; returns for any other error
-        raise
+if __name__ == "__main__":  # a fault of the run (not of the code): exit 1 and one line
+    checkpoint.run_main(main, (rewards.RewardError, FloatingPointError))

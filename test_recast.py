@@ -551,14 +551,15 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
 
 
 def run_patched(tmp_path, patch: str, *flags, timeout=1800):
-    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run. The
+    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run, its
+    faults handled as `python recast.py` handles them (checkpoint.run_main). The
     timeout only catches a hang: a tiny run takes about a minute alone, many on a loaded machine."""
     script = tmp_path / "run_patched.py"
     script.write_text(
         f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\nimport rewards\nimport recast\n"
-        f"{patch}\ntry:\n    recast.main({list(flags)!r})\n"
-        "except (rewards.RewardError, FloatingPointError) as e:\n"
-        "    print(f'stopped: {e}', file=sys.stderr)\n    sys.exit(1)\n"
+        f"import checkpoint\n{patch}\n"  # then as `python recast.py` runs main
+        f"checkpoint.run_main(lambda: recast.main({list(flags)!r}), "
+        "(rewards.RewardError, FloatingPointError))\n"
     )
     return subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=timeout
