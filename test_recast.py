@@ -468,6 +468,33 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
 
 
+def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch):
+    """--score-precision bf16: every step prediction is scored under bf16 autocast, the final
+    images (what trains) are not; the gains move a little, W still has λ's rows."""
+    import recast
+
+    bf16_on, real = [], recast.score_all
+
+    def spy(fns, images, prompts):
+        on = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        bf16_on.append(on)
+        return real(fns, images, prompts)
+
+    monkeypatch.setattr(recast, "score_all", spy)
+    gains = {}
+    for precision in ("fp32", "bf16"):
+        bf16_on.clear()
+        out = tmp_path / precision
+        recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "4",
+                     "--score-precision", precision, "--out", str(out)])  # fmt: skip
+        p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 32)
+        gains[precision] = torch.tensor(p["gains"])
+        steps = bf16_on[-9:]  # the 9 step predictions (step 0's is never scored)
+        assert bf16_on[:-9] == [False] * (len(bf16_on) - 9)  # the final images: fp32
+        assert steps == [precision == "bf16"] * 9
+    diff = (gains["bf16"] - gains["fp32"]).abs().sum()
+    assert 0 < diff < 0.1 * gains["fp32"].abs().sum()  # bf16 changes the scores, a little
+
 def test_uniform_weighting_scores_no_step_prediction(tmp_path, monkeypatch):
     """uniform (and sum) need no gains: no step prediction is scored, W is λ/T, W.png says so."""
     import recast
@@ -1067,6 +1094,11 @@ def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp
     ]  # fmt: skip
     said = run(sys.executable, script, *flags, "--out", str(out), env=reward_env).stdout
     assert "4 images" in said and "wrote" in said
+    check_profile(out, ["pickscore", "clipscore", "aesthetic"], [0.5, 0.3, 0.2], 3, 4)
+    # the VAE decode and the CLIP forwards of the step predictions under bf16 autocast
+    out = tmp_path / "profile-bf16"
+    run(sys.executable, script, *flags, "--score-precision", "bf16", "--out", str(out),
+        env=reward_env)  # fmt: skip
     check_profile(out, ["pickscore", "clipscore", "aesthetic"], [0.5, 0.3, 0.2], 3, 4)
 
 

@@ -88,7 +88,7 @@ FULL_RUN = dict(resolution=512, steps=10, prompts=8, group_size=8, batch_size=16
 # --shrink: the same loop on sizes a 2-core CPU runs in seconds
 SHRUNK_RUN = dict(resolution=32, steps=4, prompts=2, group_size=2, batch_size=4, eval_prompts=1,
                   eval_seeds=1, kl_coef=1e-4)  # fmt: skip
-DEFAULTED = ("train_frac", "gain_frac", "gain_every")  # read by the cost model
+DEFAULTED = ("train_frac", "gain_frac", "gain_every", "score_precision")  # the cost model's
 DEFAULT_BUDGET_S = 420  # the whole check on the GPU, building included; the 1024 px run adapts
 # Peak dense matmul throughput (TFLOP/s) by precision, from the vendors' data sheets (SXM parts);
 # the H200 has the H100's compute. Used only for the extrapolation, never for a measured figure.
@@ -515,8 +515,8 @@ def reward_flops(cf: dict) -> dict:
 
 def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> dict:
     """{phase: {precision: FLOPs}} of one epoch of run `r` (resolution, steps, prompts,
-    group_size, train_frac, kl_coef, gain_frac, gain_every, grad_checkpointing, eval_images,
-    eval: whether this epoch evaluates). `amortised` spreads step scoring over --gain-every
+    group_size, train_frac, kl_coef, gain_frac, gain_every, score_precision, grad_checkpointing,
+    eval_images, eval: whether this epoch evaluates). `amortised` spreads step scoring over --gain-every
     epochs instead of charging the epochs that score."""
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
@@ -534,7 +534,11 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     return {
         "rollout": {"bf16": n * T * fwd + P * text},
         "score": {"tf32": n * vae, "fp32": n * rew},
-        "recast": {"tf32": scored * (T - 1) * vae, "fp32": scored * (T - 1) * rew},
+        "recast": (
+            {"bf16": scored * (T - 1) * (vae + rew)}
+            if r.get("score_precision", "fp32") == "bf16"
+            else {"tf32": scored * (T - 1) * vae, "fp32": scored * (T - 1) * rew}
+        ),
         "update": {"bf16": pairs * per_pair + P * text},
         "eval": {"bf16": E * (T * fwd + text), "tf32": E * vae, "fp32": E * rew},
     }
@@ -1073,25 +1077,28 @@ def cost_model_tables(cf: dict, r512: dict, r1024: dict, rates: dict, runs: dict
 
 
 SHARE_SETTINGS = (
-    (1.0, 1),
-    (0.5, 1),
-    (0.25, 1),
-    (0.125, 1),
-    (1.0, 2),
-)  # (--gain-frac, --gain-every)
+    (1.0, 1, "fp32"),
+    (0.5, 1, "fp32"),
+    (0.25, 1, "fp32"),
+    (0.125, 1, "fp32"),
+    (1.0, 2, "fp32"),
+    (1.0, 1, "bf16"),
+    (0.25, 1, "bf16"),
+    (0.125, 1, "bf16"),
+)  # (--gain-frac, --gain-every, --score-precision)
 
 
 def recast_shares(cf: dict, r: dict) -> list[dict]:
     """ReCAST's modelled share of an epoch (step scoring amortised, no eval) for each setting of
     SHARE_SETTINGS: of the FLOPs, and of the time at the H100/H200 data sheet's peak of each
-    precision (the same efficiency in every phase). Were decoding and rewards run in bf16 like the
-    transformer, the time share would be the FLOP share."""
+    precision (the same efficiency in every phase). With --score-precision bf16 the step scoring
+    runs at the transformer's bf16 rate."""
     rows = []
-    for frac, every in SHARE_SETTINGS:
-        f = phase_flops(cf, {**r, "gain_frac": frac, "gain_every": every, "eval": False},
-                        amortised=True)  # fmt: skip
+    for frac, every, precision in SHARE_SETTINGS:
+        setting = {"gain_frac": frac, "gain_every": every, "score_precision": precision}
+        f = phase_flops(cf, {**r, **setting, "eval": False}, amortised=True)
         fl, sec = total(f), modelled_seconds(f, peak_rates("H100/H200 SXM"))
-        rows.append({"gain_frac": frac, "gain_every": every,
+        rows.append({**setting,
                      "flop_share": fl["recast"] / sum(fl.values()),
                      "time_share_at_peak": sec["recast"] / sum(sec.values()),
                      "epoch_s_at_peak": sum(sec.values())})  # fmt: skip
@@ -1226,11 +1233,10 @@ def cost_model_section(rep: dict) -> list[str]:
         L += table(header, rows)
     L += ["", "ReCAST's share of a 512 px epoch (*modelled*; time at each precision's data-sheet "
           "peak, the same efficiency in every phase):", ""]  # fmt: skip
-    rows = [[x["gain_frac"], x["gain_every"], f"{x['flop_share']:.1%}",
+    rows = [[x["gain_frac"], x["gain_every"], x["score_precision"], f"{x['flop_share']:.1%}",
              f"{x['time_share_at_peak']:.1%}"] for x in cm["recast_share_by_setting"]]  # fmt: skip
-    L += table(["--gain-frac", "--gain-every", "share of FLOPs", "share of time"], rows)
-    L += ["", "(Were decoding and the reward models run in bf16, like the transformer, the share "
-          "of time would be the share of FLOPs.)"]  # fmt: skip
+    L += table(["--gain-frac", "--gain-every", "--score-precision", "share of FLOPs",
+                "share of time"], rows)  # fmt: skip
     return L
 
 
@@ -1269,10 +1275,10 @@ def print_cost_model() -> None:
         for ph in ("rollout", "score", "recast", "update"):
             print(f"  {ph:<8} {fl[ph] / 1e15:8.3f} PFLOP {sec[ph]:8.2f} s")
     print("ReCAST's modelled share of a 512 px epoch (one-GPU command, no eval):")
-    print("  --gain-frac --gain-every  FLOP share  time share at peak")
+    print("  --gain-frac --gain-every --score-precision  FLOP share  time share at peak")
     for x in recast_shares(cf, r512):
-        print(f"  {x['gain_frac']:>11} {x['gain_every']:>12}  {x['flop_share']:>10.1%}  "
-              f"{x['time_share_at_peak']:>18.1%}")  # fmt: skip
+        print(f"  {x['gain_frac']:>11} {x['gain_every']:>12} {x['score_precision']:>17}  "
+              f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
 
 
 def config_params(c: dict) -> dict:

@@ -108,7 +108,12 @@ def test_every_figure_is_reported(shrunk):
         for hw in sc.SPEC_TFLOPS:
             assert all(map(positive, cm[key]["s_at_peak"][hw].values()))
     shares = cm["recast_share_by_setting"]
-    assert [(x["gain_frac"], x["gain_every"]) for x in shares] == list(sc.SHARE_SETTINGS)
+    assert [(x["gain_frac"], x["gain_every"], x["score_precision"]) for x in shares] == list(
+        sc.SHARE_SETTINGS
+    )
+    for x in shares:  # bf16 scoring: the time share is the FLOP share (the transformer's rate)
+        if x["score_precision"] == "bf16":
+            assert x["time_share_at_peak"] < x["flop_share"] * 1.5
     assert all(0 < x["flop_share"] < 1 and 0 < x["time_share_at_peak"] < 1 for x in shares)
     assert all(map(positive, report["component_tflop"].values()))
     for heading in ("## 512-recast", "## 512-uniform", "## 1024-recast", "## Cost model",
@@ -202,6 +207,8 @@ def test_phase_flops_count_each_phase():
     assert sc.phase_flops(cf, every2, epoch=2)["recast"] == {"tf32": 0.0, "fp32": 0.0}
     assert sc.phase_flops(cf, every2, epoch=3)["recast"] == f["recast"]
     assert sc.phase_flops(cf, every2, amortised=True)["recast"] == half
+    bf16 = sc.phase_flops(cf, {**r, "score_precision": "bf16"}, epoch=1)["recast"]
+    assert bf16 == {"bf16": n * (T - 1) * (5.0 + rewards)}  # the same FLOPs, at the bf16 rate
     more = sc.phase_flops(cf, {**r, "grad_checkpointing": True, "kl_coef": 0.0})["update"]
     assert more == {"bf16": 320 * (2.0 + 3.0 + 2.0 + 2.0) + P * 1.0}  # +1 recompute, -1 ref
     secs = sc.modelled_seconds(f, {"bf16": 4.0, "tf32": 2.0, "fp32": 1.0})
