@@ -516,8 +516,8 @@ def reward_flops(cf: dict) -> dict:
 def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> dict:
     """{phase: {precision: FLOPs}} of one epoch of run `r` (resolution, steps, prompts,
     group_size, train_frac, kl_coef, gain_frac, gain_every, score_precision, grad_checkpointing,
-    eval_images, eval: whether this epoch evaluates). `amortised` spreads step scoring over --gain-every
-    epochs instead of charging the epochs that score."""
+    eval_images, eval: whether this epoch evaluates). `amortised` spreads step scoring over
+    --gain-every epochs instead of charging the epochs that score."""
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
     vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
