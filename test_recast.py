@@ -495,6 +495,7 @@ def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch)
     diff = (gains["bf16"] - gains["fp32"]).abs().sum()
     assert 0 < diff < 0.1 * gains["fp32"].abs().sum()  # bf16 changes the scores, a little
 
+
 def test_uniform_weighting_scores_no_step_prediction(tmp_path, monkeypatch):
     """uniform (and sum) need no gains: no step prediction is scored, W is λ/T, W.png says so."""
     import recast
