@@ -31,6 +31,7 @@ LORA_TARGETS = [
 ]  # fmt: skip
 MAX_SEQUENCE_LENGTH = 256  # T5 tokens per prompt: encode_prompt's default
 DECODE_CHUNK = 8  # latents per VAE decode: bounds the decoder's activations at 512-1024 px
+ENCODE_CHUNK = 8  # prompts per text-encoder forward: T5-XXL's activations don't grow with --prompts
 EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
 
 
@@ -163,17 +164,22 @@ class SD3World:
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt_embeds (B, L, D), pooled_prompt_embeds (B, D')) from the frozen text encoders."""
-        with self._autocast():
-            embeds, _, pooled, _ = self.pipe.encode_prompt(
-                prompts,
-                None,
-                None,
-                device=self.device,
-                do_classifier_free_guidance=False,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
-            )
-        return embeds, pooled
+        """(prompt_embeds (B, L, D), pooled_prompt_embeds (B, D')) from the frozen text encoders,
+        ENCODE_CHUNK prompts per forward."""
+        embeds, pooled = [], []
+        for s in range(0, len(prompts), ENCODE_CHUNK):
+            with self._autocast():
+                e, _, p, _ = self.pipe.encode_prompt(
+                    prompts[s : s + ENCODE_CHUNK],
+                    None,
+                    None,
+                    device=self.device,
+                    do_classifier_free_guidance=False,
+                    max_sequence_length=MAX_SEQUENCE_LENGTH,
+                )
+            embeds.append(e)
+            pooled.append(p)
+        return torch.cat(embeds), torch.cat(pooled)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -1085,6 +1085,57 @@ def test_sd3_trains_one_epoch_end_to_end(sd3_dir, prompts_file, reward_env, tmp_
     }
 
 
+def test_sd3_forwards_see_one_chunk_whatever_the_prompts(
+    sd3_dir, prompts_file, with_rewards, tmp_path, monkeypatch
+):
+    """Peak memory of rollout, scoring and eval does not grow with --prompts: every forward of
+    the transformer (--batch-size), the VAE (DECODE_CHUNK), the text encoders (ENCODE_CHUNK) and
+    the reward CLIPs (rewards.CHUNK) sees at most one chunk, however many images the epoch has.
+    The chunks are made small here so that --prompts 6 (12 images) spans several of each."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers.models.clip import modeling_clip
+
+    import recast
+    import sd3world
+
+    chunks = {"transformer": 4, "vae": 3, "text": 3, "vision": 3}
+    monkeypatch.setattr(sd3world, "DECODE_CHUNK", chunks["vae"])
+    monkeypatch.setattr(sd3world, "ENCODE_CHUNK", 2)
+    monkeypatch.setattr(rewards, "CHUNK", 3)  # reward text and image forwards
+    seen = {}
+
+    def spy(cls, name, batch):
+        real = cls.forward if name != "vae" else cls.decode
+
+        def wrapped(self, *a, **k):
+            seen[name] = max(seen.get(name, 0), batch(*a, **k))
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(cls, "forward" if name != "vae" else "decode", wrapped)
+
+    spy(SD3Transformer2DModel, "transformer", lambda *a, **k: k["hidden_states"].shape[0])
+    spy(AutoencoderKL, "vae", lambda z, *a, **k: z.shape[0])
+    spy(modeling_clip.CLIPTextEmbeddings, "text",  # every CLIP text forward starts here
+        lambda input_ids=None, *a, **k: input_ids.shape[0])  # fmt: skip
+    spy(modeling_clip.CLIPVisionEmbeddings, "vision",
+        lambda pixel_values=None, *a, **k: pixel_values.shape[0])  # fmt: skip
+    per_run = []
+    for prompts in (2, 6):  # 4 and 12 images per epoch
+        seen.clear()
+        recast.main([
+            "--model", sd3_dir, "--rewards", "pickscore,clipscore", "--lambda", "0.5,0.5",
+            "--prompts-file", prompts_file, "--epochs", "1", "--prompts", str(prompts),
+            "--group-size", "2", "--steps", "2", "--batch-size", "4", "--eval-seeds", "6",
+            "--resolution", "32", "--lora-rank", "4", "--lora-alpha", "8", "--device", "cpu",
+            "--out", str(tmp_path / f"p{prompts}"),
+        ])  # fmt: skip
+        per_run.append(dict(seen))
+    small, large = per_run
+    assert set(large) == set(chunks)
+    assert all(large[k] <= chunks[k] for k in chunks), large  # one chunk at most
+    assert large == small  # 3× the images, no larger forward
+
+
 def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp_path):
     out = tmp_path / "profile"
     script = os.path.join(HERE, "recast.py")
