@@ -58,7 +58,8 @@ def parse(cls, argv: list[str] | None, description: str, choices: dict[str, list
     saved = os.path.join(args.out, "args.json")
     if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
         with open(saved) as f:
-            ap.set_defaults(**{k: v for k, v in json.load(f).items() if k in vars(args)})
+            kept = {**getattr(cls, "BEFORE", {}), **json.load(f)}  # a newer flag: its old value
+            ap.set_defaults(**{k: v for k, v in kept.items() if k in vars(args)})
         args = ap.parse_args(argv)
     return cls(**vars(args))
 
@@ -141,7 +142,8 @@ def check(args, world_size: int, resumable: set[str]) -> None:
             fail("--resume", f"{args.out} is not a run (no args.json); drop --resume to start one")
         with open(saved) as f:
             before = json.load(f)
-        default = {f.name: f.default for f in fields(args)}  # a flag newer than the run: default
+        default = {f.name: f.default for f in fields(args)}  # a flag newer than the run: its
+        default = {**default, **getattr(type(args), "BEFORE", {})}  # value before it existed
         differ = [k for k, v in asdict(args).items()
                   if k not in resumable and before.get(k, default[k]) != v]  # fmt: skip
         if differ:

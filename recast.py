@@ -28,6 +28,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,8 @@ from plots import centroid
 
 @dataclass
 class Args:
+    # a flag's value in runs made before the flag existed (their args.json lacks it)
+    BEFORE: ClassVar[dict] = {"gain_shift": 0}
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
@@ -74,10 +77,11 @@ class Args:
     0.5 beat uniform weighting, 0.25 did not; docs/results.md)"""
     floor: float = 0.1
     """share ε_f of each reward's profile spread evenly over the steps"""
-    gain_shift: int = 0
-    """W column i uses the gain of step i-S (DESIGN §4, alignment): 0 credits D_i+1 - D_i to
-    timestep i, 1 credits D_i - D_i-1; the first S columns get about the static mix λ, the last S
-    gains are dropped (the last is ≈ 0 with an Euler sampler). recast/reversed only"""
+    gain_shift: int = 1
+    """W column i uses the gain of step i-S (DESIGN §4, alignment): 1 credits D_i - D_i-1 to
+    timestep i (won the alignment comparison, docs/results.md), 0 credits D_i+1 - D_i; the first S
+    columns get about the static mix λ, the last S gains are dropped (the last is ≈ 0 with an Euler
+    sampler). recast/reversed only (uniform and sum run with 0)"""
     gain_ema: float = 0.8
     """EMA of the gains across epochs (0: this epoch's gains only)"""
     gain_every: int = 1
@@ -625,6 +629,8 @@ def setup(argv: list[str] | None) -> Run:
     args = cli.parse(Args, argv, __doc__, choices)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    if args.weighting in ("uniform", "sum") and not cli.given(argv, ["gain_shift"]):
+        args.gain_shift = 0  # no gains in their W: the default shift means nothing there
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
     ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []

@@ -578,6 +578,29 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path / "taken") == ["args.json"]
 
 
+def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
+    import cli
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    assert recast.Args().gain_shift == 1  # the alignment comparison's verdict (docs/results.md)
+    lam = ["--lambda", "0.4,0.2,0.2,0.2"]
+    for weighting, shift in (("recast", 1), ("reversed", 1), ("uniform", 0), ("sum", 0)):
+        run = recast.setup([*lam, "--weighting", weighting, "--out", weighting])
+        assert run.args.gain_shift == shift, weighting
+    # a run made before --gain-shift existed (its args.json lacks it) resumes with shift 0
+    saved = dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="old"))
+    del saved["gain_shift"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
+    args = cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+    assert args.gain_shift == 0
+    cli.check(args, 1, recast.RESUMABLE)  # no "differs from the run's args.json"
+    with pytest.raises(SystemExit):  # asking for another shift on resume is still refused
+        cli.check(cli.parse(recast.Args, ["--out", "old", "--resume", "--gain-shift", "1"], "", {}),
+                  1, recast.RESUMABLE)  # fmt: skip
+
+
 def run_patched(tmp_path, patch: str, *flags, timeout=1800):
     """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run, its
     faults handled as `python recast.py` handles them (checkpoint.run_main). The

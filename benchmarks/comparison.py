@@ -1,8 +1,10 @@
 """When does timestep credit pay off? The pre-registered comparisons of docs/results.md (toy world).
 
-Two studies share one machinery and one archive (arms are recast.py's defaults otherwise, the same
-for every arm; five budgets λ; seeds 0 … --seeds-1, seed s giving every arm the same prompts and
-noise in its first epoch; held-out eval every 2 epochs for the curves):
+Three studies share one machinery and one archive (arms are recast.py's defaults otherwise, the
+same for every arm, except the alignment `--gain-shift`, which every ReCAST arm names: its default
+became 1 after the shift study; five budgets λ, one for the scoring study; seeds 0 … --seeds-1,
+seed s giving every arm the same prompts and noise in its first epoch; held-out eval every 2
+epochs for the curves):
 
 - `--study tau` (the first comparison): ReCAST at τ = 1, 0.5 and 0.25 (the dose: W concentrates as
   τ falls), uniform (W = λ/T), reversed (ReCAST's W at τ = 0.25 with its timesteps in reverse
@@ -12,6 +14,9 @@ noise in its first epoch; held-out eval every 2 epochs for the curves):
   column i credited with gain g_i-S), paired against uniform and against ReCAST as shipped
   (shift 0); uniform's and recast-tau1's runs are the first study's, once `reproduce` has shown
   that this commit reproduces them.
+- `--study scoring`: ReCAST (τ = 1, shift 1) scoring a fraction of the groups (`--gain-frac` 1, 0.5,
+  0.25, 0.125) or every other epoch (`--gain-every 2`); per epoch, W's L1 distance from full
+  scoring's W in the same seed, against the seed-to-seed noise floor (w_error.png).
 
     python benchmarks/comparison.py run [--study shift] [--stop-after 150]  # resumable; 2 at once
     python benchmarks/comparison.py report [--study shift]                  # tables and figures
@@ -66,20 +71,18 @@ from toyworld import ToyWorld  # noqa: E402
 
 BUDGETS = ["0.4,0.2,0.2,0.2", "0.2,0.4,0.2,0.2", "0.2,0.2,0.4,0.2", "0.2,0.2,0.2,0.4",
            "0.25,0.25,0.25,0.25"]  # fmt: skip
+SHIPPED = ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"]  # since the shift study
 ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ = 1, 0.5, 0.25, reversed
     "uniform": ["--weighting", "uniform"],
-    "recast-tau1": ["--weighting", "recast", "--tau", "1"],
-    "recast-tau0.5": ["--weighting", "recast", "--tau", "0.5"],
-    "recast-tau0.25": ["--weighting", "recast", "--tau", "0.25"],
-    "reversed-tau0.25": ["--weighting", "reversed", "--tau", "0.25"],
+    "recast-tau1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "0"],
+    "recast-tau0.5": ["--weighting", "recast", "--tau", "0.5", "--gain-shift", "0"],
+    "recast-tau0.25": ["--weighting", "recast", "--tau", "0.25", "--gain-shift", "0"],
+    "reversed-tau0.25": ["--weighting", "reversed", "--tau", "0.25", "--gain-shift", "0"],
     "sum": ["--weighting", "sum"],
     "recast-shift1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"],
     "recast-shift2": ["--weighting", "recast", "--tau", "1", "--gain-shift", "2"],
-    "recast-frac1": ["--weighting", "recast", "--tau", "1", "--gain-frac", "1"],
-    "recast-frac0.5": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.5"],
-    "recast-frac0.25": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.25"],
-    "recast-frac0.125": ["--weighting", "recast", "--tau", "1", "--gain-frac", "0.125"],
-    "recast-every2": ["--weighting", "recast", "--tau", "1", "--gain-every", "2"],
+    **{f"recast-frac{f}": [*SHIPPED, "--gain-frac", f] for f in ("1", "0.5", "0.25", "0.125")},
+    "recast-every2": [*SHIPPED, "--gain-every", "2"],
 }
 NAMES = list(ToyWorld.reward_names)
 JUDGES = list(ToyWorld.judge_names)
