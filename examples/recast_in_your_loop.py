@@ -59,7 +59,8 @@ def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> d
 
     # 3. Gains per (reward, step), the weight matrix W, and the optimality r per reward.
     D, gains = renyi_gains(scores, G)  # (K, T+1), (K, T) fp32
-    W = recast_weights(gains, lam).to(DEVICE)  # (K, T) fp32: rows sum to λ, columns to 1/T
+    W = recast_weights(gains, lam, shift=1).to(DEVICE)  # (K, T) fp32: rows λ, columns 1/T;
+    # shift=1: gain g_i-1 credited to timestep i, recast.py's default (DESIGN §4)
     r = group_optimality(final, G)  # (K, N) fp32 in [0, 1]
 
     # 4. NFT update on a random half of the N·T (image, timestep) pairs, one optimizer step.
