@@ -92,6 +92,12 @@ def given(argv: list[str] | None, names: list[str]) -> list[str]:
     return [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]
 
 
+def scored_groups(gain_frac: float, prompts: int, world_size: int) -> int:
+    """Prompt groups whose step predictions are scored an epoch, all ranks together: the first
+    --gain-frac of each rank's groups, at least one per rank."""
+    return max(1, round(gain_frac * (prompts // world_size))) * world_size
+
+
 def check(args, world_size: int, resumable: set[str]) -> None:
     """Ranges, divisibility, and the run folder: everything checkable before loading a model."""
     for name in ["prompts", "steps", "batch_size", "grad_accum", "eval_seeds", "eval_every",
@@ -124,7 +130,7 @@ def check(args, world_size: int, resumable: set[str]) -> None:
         if not 0 <= getattr(args, name) < math.inf:
             fail(flag_of(name), f"must be ≥ 0 and finite, got {getattr(args, name)}")
     if args.profile:  # it compares the groups that score_steps scores: at least 2
-        scored = max(1, round(args.gain_frac * (args.prompts // world_size))) * world_size
+        scored = scored_groups(args.gain_frac, args.prompts, world_size)
         if scored < 2:
             fail("--prompts", f"--profile compares prompt groups and would score {scored}: give "
                  "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip

@@ -87,10 +87,13 @@ class Args:
     gain_every: int = 1
     """epochs between gain updates; step predictions are only scored then"""
     gain_frac: float = 1.0
-    """fraction of prompt groups whose step predictions are scored for the gains"""
+    """fraction of prompt groups whose step predictions are scored for the gains (toy world: all;
+    with an SD3 --model the default scores 4 groups an epoch, min(1, 4/--prompts): the scoring
+    study, docs/results.md)"""
     score_precision: str = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
-    bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32"""
+    bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32 (with
+    an SD3 --model the default is bf16)"""
     # --- rollout ---
     epochs: int = 20
     """training epochs (rollout + update)"""
@@ -228,8 +231,8 @@ def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.
 def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
     """trajectory_scores of the first --gain-frac of the groups (under bf16 autocast with
     --score-precision bf16), every rank's."""
-    G, P_local = run.args.group_size, run.args.prompts // run.world_size
-    m = max(1, round(run.args.gain_frac * P_local)) * G
+    m = cli.scored_groups(run.args.gain_frac, run.args.prompts, run.world_size) // run.world_size
+    m *= run.args.group_size  # this rank's scored images
     bf16 = run.args.score_precision == "bf16"
     with torch.autocast(run.world.device.type, torch.bfloat16, enabled=bf16):
         scores = trajectory_scores(run.reward_fns, run.world.decode, preds[:, :m], final[:, :m],
@@ -620,6 +623,32 @@ def expand_names(flag: str, text: str, known: list[str], allow_none: bool = Fals
     return names
 
 
+SD3_SCORED_GROUPS = 4  # the fewest groups an epoch whose W stayed within the noise floor of a
+# change of seed, in the toy world's scoring study (docs/results.md); 2 groups did not
+
+
+def sd3_scoring(prompts: int) -> dict:
+    """SD3's defaults for scoring the step predictions, where it is most of an epoch's cost
+    (docs/sd35.md): SD3_SCORED_GROUPS groups an epoch, under bf16. The toy world scores every
+    group in fp32 (2 % of its epoch)."""
+    return {"gain_frac": min(1.0, SD3_SCORED_GROUPS / prompts), "score_precision": "bf16"}
+
+
+def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
+    """Set SD3's scoring defaults on `args` for the flags not given (a new run of an SD3 --model
+    that scores step predictions; a resumed run keeps its args.json; --profile scores every
+    group); returns what it set."""
+    sd3 = args.model != "toy" and not is_toy_model(args.model)
+    if not sd3 or args.resume or args.weighting in ("uniform", "sum"):
+        return {}
+    chosen = {k: v for k, v in sd3_scoring(args.prompts).items() if not cli.given(argv, [k])}
+    if args.profile:  # a profile scores every group: that is all it does
+        chosen.pop("gain_frac", None)
+    for k, v in chosen.items():
+        setattr(args, k, v)
+    return chosen
+
+
 def setup(argv: list[str] | None) -> Run:
     choices = {
         "weighting": ["recast", "uniform", "sum", "reversed"],
@@ -631,8 +660,14 @@ def setup(argv: list[str] | None) -> Run:
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
     if args.weighting in ("uniform", "sum") and not cli.given(argv, ["gain_shift"]):
         args.gain_shift = 0  # no gains in their W: the default shift means nothing there
+    chosen = scoring_defaults(args, argv)
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
+    if chosen and rank0:
+        said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
+                        f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
+        print(f"note: SD3 scoring defaults: {said} (step predictions of {SD3_SCORED_GROUPS} "
+              "prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
     ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
     if ignored and rank0:
         print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")

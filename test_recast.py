@@ -1090,6 +1090,8 @@ def test_sd3_trains_one_epoch_end_to_end(sd3_dir, prompts_file, reward_env, tmp_
     ]  # fmt: skip
     lines = recast_run(out, *flags, env=reward_env)
     assert [m["epoch"] for m in lines] == [0, 1]
+    saved = json.loads((out / "args.json").read_text())  # SD3's scoring defaults, as run
+    assert (saved["gain_frac"], saved["score_precision"]) == (1.0, "bf16")
     m = lines[1]
     W = torch.tensor(m["W"], dtype=torch.float64)
     assert W.shape == (3, 3) and torch.tensor(m["D"]).shape == (3, 4)
@@ -1157,6 +1159,32 @@ def test_sd3_forwards_see_one_chunk_whatever_the_prompts(
     assert set(large) == set(chunks)
     assert all(large[k] <= chunks[k] for k in chunks), large  # one chunk at most
     assert large == small  # 3× the images, no larger forward
+
+
+def test_sd3_scoring_defaults_score_four_groups_in_bf16():
+    """SD3's step-scoring defaults (the scoring study, docs/results.md): 4 prompt groups an epoch
+    (at least one per rank) under bf16, unless a flag is given; the toy world, uniform weighting
+    and a resumed run (its args.json) are left alone; --profile still scores every group."""
+    import cli
+    import recast
+
+    def resolved(argv, **kw):
+        a = recast.Args(**{"model": "org/sd35", **kw})
+        recast.scoring_defaults(a, argv)
+        return a.gain_frac, a.score_precision
+
+    assert resolved([], prompts=32) == (0.125, "bf16")
+    assert resolved([], prompts=8) == (0.5, "bf16")
+    assert resolved([], prompts=2) == (1.0, "bf16")
+    assert resolved(["--gain-frac", "1"], prompts=32) == (1.0, "bf16")
+    assert resolved(["--score-precision=fp32"], prompts=32) == (0.125, "fp32")
+    assert resolved([], prompts=32, model="toy") == (1.0, "fp32")
+    assert resolved([], prompts=32, weighting="uniform") == (1.0, "fp32")
+    assert resolved([], prompts=32, resume=True) == (1.0, "fp32")
+    assert resolved([], prompts=32, profile=True) == (1.0, "bf16")
+    for prompts, ranks, groups in [(32, 1, 4), (8, 1, 4), (7, 1, 4), (12, 2, 4), (64, 8, 8)]:
+        frac = recast.sd3_scoring(prompts)["gain_frac"]
+        assert cli.scored_groups(frac, prompts, ranks) == groups, (prompts, ranks)
 
 
 def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp_path):

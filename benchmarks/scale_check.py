@@ -22,7 +22,10 @@ What it does
    open_clip ViT-H-14's shape behind open_clip's call signature, scored by rewards.hpsv2_scorer,
    the same code as the real reward (uint8 rounding, PIL preprocessing on the CPU, 77 tokens).
 2. Runs the real loop, recast.main() in this process (no copy of it), with the one-GPU command of
-   docs/sd35.md: 512 px, T = 10, 8 prompts × 8 images, --batch-size 16, --kl-coef 1e-4, 2 epochs,
+   docs/sd35.md: 512 px, T = 10, --batch-size 16, --kl-coef 1e-4, 2 epochs, with 8 prompts × 8
+   images instead of the command's 32 to fit the device time, scoring the command's fraction of
+   them (SD3's default of 4 groups of 32: --gain-frac 0.125, one group of 8; bf16), so that every
+   phase's share of the epoch is the command's,
    - once with --weighting recast, once with --weighting uniform (which scores no step
      prediction: DiffusionNFT's work only), so their ratio is ReCAST's cost. The second epoch is
      reported (the first carries warm-up);
@@ -81,8 +84,10 @@ SHRINKS = (2, 4, 8, 16)
 SHRINK_DEPTH = 8  # --shrink also divides every depth by this (at least 1 layer; 2 for the MMDiT)
 LAMBDA = "0.4,0.2,0.2,0.2"
 # docs/sd35.md's one-GPU command (its --epochs 100 becomes 2; --eval-every 10 keeps eval to the
-# base model and the last epoch); every other flag is recast.py's default (DEFAULTED), and the
-# cost model of a run reads the values the run itself wrote to its args.json
+# base model and the last epoch; 8 of its DOCS_PROMPTS prompts, scoring its fraction of them);
+# every other flag is recast.py's default (DEFAULTED, SD3's scoring defaults for DOCS_PROMPTS),
+# and the cost model of a run reads the values the run itself wrote to its args.json
+DOCS_PROMPTS = 32
 FULL_RUN = dict(resolution=512, steps=10, prompts=8, group_size=8, batch_size=16, eval_prompts=4,
                 eval_seeds=2, kl_coef=1e-4)  # fmt: skip
 # --shrink: the same loop on sizes a 2-core CPU runs in seconds
@@ -121,8 +126,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help=f"divide every width by this ({', '.join(map(str, SHRINKS))}) and run on "
                     "the CPU; leave out for the real sizes (needs a CUDA GPU)")  # fmt: skip
     ap.add_argument("--prompts", type=int, default=0,
-                    help="prompts per epoch (default: 8, the docs' command; --shrink: "
-                    "2)")  # fmt: skip
+                    help="prompts per epoch (default: 8, a quarter of the docs' command; "
+                    "--shrink: 2)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=0.0,
                     help=f"seconds for the whole check (default {DEFAULT_BUDGET_S} on the GPU): "
                     "the 1024 px run gets fewer prompts, or is skipped, to end within "
@@ -837,6 +842,8 @@ def run_flags(paths: dict, files: dict, r: dict, device, out: Path) -> list[str]
         "--epochs", str(r["epochs"]), "--eval-every", "10", "--eval-seeds", str(r["eval_seeds"]),
         "--weighting", r["weighting"], "--device", device.type, "--out", str(out),
     ]  # fmt: skip
+    if r["weighting"] == "recast":  # the docs' command's scored fraction, not this run's default
+        flags += ["--gain-frac", str(r["gain_frac"]), "--score-precision", r["score_precision"]]
     if r["grad_checkpointing"]:
         flags.append("--grad-checkpointing")
     return flags
@@ -899,10 +906,11 @@ def plan_1024_prompts(r512: dict, m512: dict, cf: dict, r1024: dict, left_s: flo
 
 
 def recast_defaults() -> dict:
-    """recast.py's defaults of the flags the docs' command leaves out (DEFAULTED)."""
+    """recast.py's defaults of the flags the docs' command leaves out (DEFAULTED), SD3's scoring
+    defaults for the command's DOCS_PROMPTS included (recast.sd3_scoring)."""
     import recast
 
-    return {k: getattr(recast.Args(), k) for k in DEFAULTED}
+    return {**{k: getattr(recast.Args(), k) for k in DEFAULTED}, **recast.sd3_scoring(DOCS_PROMPTS)}
 
 
 def run_settings(args) -> tuple[dict, dict, dict]:
@@ -1083,6 +1091,7 @@ SHARE_SETTINGS = (
     (0.125, 1, "fp32"),
     (1.0, 2, "fp32"),
     (1.0, 1, "bf16"),
+    (0.5, 1, "bf16"),
     (0.25, 1, "bf16"),
     (0.125, 1, "bf16"),
 )  # (--gain-frac, --gain-every, --score-precision)
@@ -1255,9 +1264,10 @@ def anchor_section(rep: dict) -> list[str]:
 
 def print_cost_model() -> None:
     """--cost-model: the cost model of the full-size configurations for docs/sd35.md's one-GPU
-    command (no device, nothing built)."""
+    command, its 32 prompts and SD3's scoring defaults (no device, nothing built)."""
     c = load_configs()
-    r512 = {**recast_defaults(), **FULL_RUN, "grad_checkpointing": False, "eval_images": 0}
+    r512 = {**recast_defaults(), **FULL_RUN, "prompts": DOCS_PROMPTS, "grad_checkpointing": False,
+            "eval_images": 0}  # fmt: skip
     r1024 = {**r512, "resolution": 1024, "grad_checkpointing": True}
     cf = component_flops(c, (512, 1024))
     print("parameters (meta-device models of benchmarks/configs):")
@@ -1274,10 +1284,13 @@ def print_cost_model() -> None:
               f"{r['steps']}, no eval), at the H100/H200 data-sheet peaks:")  # fmt: skip
         for ph in ("rollout", "score", "recast", "update"):
             print(f"  {ph:<8} {fl[ph] / 1e15:8.3f} PFLOP {sec[ph]:8.2f} s")
-    print("ReCAST's modelled share of a 512 px epoch (one-GPU command, no eval):")
-    print("  --gain-frac --gain-every --score-precision  FLOP share  time share at peak")
+    print(f"ReCAST's modelled share of a 512 px epoch (one-GPU command, {r512['prompts']} "
+          "prompts, no eval):")  # fmt: skip
+    print("  --gain-frac  groups --gain-every --score-precision  FLOP share  time share at peak")
     for x in recast_shares(cf, r512):
-        print(f"  {x['gain_frac']:>11} {x['gain_every']:>12} {x['score_precision']:>17}  "
+        groups = max(1, round(x["gain_frac"] * r512["prompts"]))
+        print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
+              f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
 
 
