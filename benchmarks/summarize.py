@@ -1,4 +1,6 @@
-"""Base vs final eval of one or more recast.py runs (seeds), as a markdown table.
+"""Base vs final eval of one or more recast.py runs (seeds), as markdown tables: mean ± std and
+the worst run per reward, and every run's gaps closed; counts of runs that improve each reward;
+W's marginals and centroids; where the time goes.
 
 python benchmarks/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
 """
@@ -63,6 +65,11 @@ def main(runs: list[str]) -> None:
         final = fmt([m[f"eval/{n}"] for m in finals])
         print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {fmt(gaps)} | {gaps[worst]:+.3f} "
               f"(seed {seeds[worst]}) | {base[f'ideal/{n}']:+.3f} |")  # fmt: skip
+    print("\nper run, fraction of the gap to the ideal closed at the final eval:\n")
+    print("| seed | " + " | ".join([*names, "λ-weighted"]) + " |\n|" + "---|" * (len(names) + 2))
+    for seed, m in sorted(zip(seeds, finals, strict=True), key=lambda x: x[0]):
+        print(f"| {seed} | " + " | ".join(f"{m[f'gap/{n}']:+.3f}" for n in [*names, "weighted"])
+              + " |")  # fmt: skip
     print("\nabove the base model at the final eval, per reward and judge:")
     for n in names:
         up = [s for s, m in zip(seeds, finals, strict=True) if m[f"eval/{n}"] > base[f"eval/{n}"]]

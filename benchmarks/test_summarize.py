@@ -38,3 +38,8 @@ def test_worst_seed_and_improvement_counts(tmp_path, capsys):
     assert "  position improves in 3 of 3 runs\n" in out
     assert "  background improves in 2 of 3 runs (not in seed 7)" in out
     assert "  iou improves in 3 of 3 runs\n" in out
+    assert "| seed | position | background | iou | λ-weighted |" in out  # every run, by seed
+    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 7 |"))]
+    assert rows == ["| 0 | +0.500 | +0.100 | +0.200 | +0.300 |",
+                    "| 1 | +0.400 | +0.050 | +0.300 | +0.225 |",
+                    "| 7 | +0.600 | -0.010 | +0.100 | +0.295 |"]  # fmt: skip
