@@ -441,14 +441,20 @@ def report(args) -> None:
         lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
     lines += ["", "Does W's distance from uniform predict the gain? Per budget: the mean final "
               "W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
-              "uniform; Spearman ρ over the budgets:", ""]  # fmt: skip
+              "uniform" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
+              ""]  # fmt: skip
     for a in (a for a in arms if a.startswith("recast")):
         far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
                for lam in budgets]  # fmt: skip
         gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, "uniform"])
                 for lam in budgets]  # fmt: skip
         each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))
-        lines.append(f"- {a}: {each}; ρ {spearman(far, gain):+.2f} over {len(budgets)} budgets")
+        rho = (
+            f"; ρ {spearman(far, gain):+.2f} over {len(budgets)} budgets"
+            if len(budgets) > 1
+            else ""
+        )
+        lines.append(f"- {a}: {each}{rho}")  # one budget: no relation to rank
     lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
               "three evals (mean over seeds):", ""]  # fmt: skip
     for lam in budgets:
