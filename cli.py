@@ -92,6 +92,15 @@ def given(argv: list[str] | None, names: list[str]) -> list[str]:
     return [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]
 
 
+def fill_defaults(args, argv: list[str] | None, values: dict) -> dict:
+    """Set `values` on `args` for the flags not on the command line `argv`, on a new run only (a
+    resumed run keeps its args.json); returns what it set."""
+    chosen = {} if args.resume else {k: v for k, v in values.items() if not given(argv, [k])}
+    for k, v in chosen.items():
+        setattr(args, k, v)
+    return chosen
+
+
 def scored_groups(gain_frac: float, prompts: int, world_size: int) -> int:
     """Prompt groups whose step predictions are scored an epoch, all ranks together: the first
     --gain-frac of each rank's groups, at least one per rank."""

@@ -602,9 +602,14 @@ def is_toy_model(path: str) -> bool:
     return has("config.json") and not has("model_index.json")
 
 
+def is_sd3(model: str) -> bool:
+    """--model names an SD3/SD3.5 pipeline (a folder or a hub id), not a toy-world model."""
+    return model != "toy" and not is_toy_model(model)
+
+
 def load_world(args: Args, device: torch.device):
     """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
-    if args.model == "toy" or is_toy_model(args.model):
+    if not is_sd3(args.model):
         return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
     import sd3world
 
@@ -623,30 +628,18 @@ def expand_names(flag: str, text: str, known: list[str], allow_none: bool = Fals
     return names
 
 
-SD3_SCORED_GROUPS = 4  # the fewest groups an epoch whose W stayed within the noise floor of a
-# change of seed, in the toy world's scoring study (docs/results.md); 2 groups did not
-
-
-def sd3_scoring(prompts: int) -> dict:
-    """SD3's defaults for scoring the step predictions, where it is most of an epoch's cost
-    (docs/sd35.md): SD3_SCORED_GROUPS groups an epoch, under bf16. The toy world scores every
-    group in fp32 (2 % of its epoch)."""
-    return {"gain_frac": min(1.0, SD3_SCORED_GROUPS / prompts), "score_precision": "bf16"}
-
-
 def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
-    """Set SD3's scoring defaults on `args` for the flags not given (a new run of an SD3 --model
-    that scores step predictions; a resumed run keeps its args.json; --profile scores every
-    group); returns what it set."""
-    sd3 = args.model != "toy" and not is_toy_model(args.model)
-    if not sd3 or args.resume or args.weighting in ("uniform", "sum"):
+    """SD3's defaults for scoring step predictions (sd3world.scoring_defaults) on a new run that
+    scores them, for the flags not given; the toy world scores every group in fp32 (2 % of its
+    epoch) and --profile every group (that is all it does). Returns what it set."""
+    if not is_sd3(args.model) or args.weighting in ("uniform", "sum"):
         return {}
-    chosen = {k: v for k, v in sd3_scoring(args.prompts).items() if not cli.given(argv, [k])}
-    if args.profile:  # a profile scores every group: that is all it does
-        chosen.pop("gain_frac", None)
-    for k, v in chosen.items():
-        setattr(args, k, v)
-    return chosen
+    import sd3world
+
+    values = sd3world.scoring_defaults(args.prompts)
+    if args.profile:
+        values.pop("gain_frac")
+    return cli.fill_defaults(args, argv, values)
 
 
 def setup(argv: list[str] | None) -> Run:
@@ -658,15 +651,17 @@ def setup(argv: list[str] | None) -> Run:
     args = cli.parse(Args, argv, __doc__, choices)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
-    if args.weighting in ("uniform", "sum") and not cli.given(argv, ["gain_shift"]):
-        args.gain_shift = 0  # no gains in their W: the default shift means nothing there
+    if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
+        cli.fill_defaults(args, argv, {"gain_shift": 0})
     chosen = scoring_defaults(args, argv)
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
     if chosen and rank0:
+        import sd3world
+
         said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
                         f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
-        print(f"note: SD3 scoring defaults: {said} (step predictions of {SD3_SCORED_GROUPS} "
+        print(f"note: SD3 scoring defaults: {said} (step predictions of {sd3world.SCORED_GROUPS} "
               "prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
     ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
     if ignored and rank0:
@@ -686,7 +681,7 @@ def setup(argv: list[str] | None) -> Run:
     if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
         cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
                  "'org/name'")  # fmt: skip
-    if args.model != "toy" and not is_toy_model(args.model):
+    if is_sd3(args.model):
         import sd3world
 
         try:

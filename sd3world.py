@@ -33,6 +33,14 @@ MAX_SEQUENCE_LENGTH = 256  # T5 tokens per prompt: encode_prompt's default
 DECODE_CHUNK = 8  # latents per VAE decode: bounds the decoder's activations at 512-1024 px
 ENCODE_CHUNK = 8  # prompts per text-encoder forward: T5-XXL's activations don't grow with --prompts
 EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
+SCORED_GROUPS = 4  # the fewest prompt groups an epoch whose W stayed within the noise floor of a
+# change of seed, in the toy world's scoring study (docs/results.md); 2 groups did not
+
+
+def scoring_defaults(prompts: int) -> dict:
+    """recast.py's defaults for scoring the step predictions on SD3, where that is most of an
+    epoch's cost (docs/sd35.md): SCORED_GROUPS prompt groups an epoch, under bf16 autocast."""
+    return {"gain_frac": min(1.0, SCORED_GROUPS / prompts), "score_precision": "bf16"}
 
 
 def read_prompts(path: str) -> list[str]:

@@ -1167,6 +1167,7 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     and a resumed run (its args.json) are left alone; --profile still scores every group."""
     import cli
     import recast
+    import sd3world
 
     def resolved(argv, **kw):
         a = recast.Args(**{"model": "org/sd35", **kw})
@@ -1183,7 +1184,7 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     assert resolved([], prompts=32, resume=True) == (1.0, "fp32")
     assert resolved([], prompts=32, profile=True) == (1.0, "bf16")
     for prompts, ranks, groups in [(32, 1, 4), (8, 1, 4), (7, 1, 4), (12, 2, 4), (64, 8, 8)]:
-        frac = recast.sd3_scoring(prompts)["gain_frac"]
+        frac = sd3world.scoring_defaults(prompts)["gain_frac"]
         assert cli.scored_groups(frac, prompts, ranks) == groups, (prompts, ranks)
 
 

@@ -527,7 +527,9 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
     vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
     text = cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
-    scored_groups = max(1, round(r["gain_frac"] * P))
+    import cli
+
+    scored_groups = cli.scored_groups(r["gain_frac"], P, 1)
     if amortised:
         share = 1 / r["gain_every"]
     else:
@@ -907,10 +909,12 @@ def plan_1024_prompts(r512: dict, m512: dict, cf: dict, r1024: dict, left_s: flo
 
 def recast_defaults() -> dict:
     """recast.py's defaults of the flags the docs' command leaves out (DEFAULTED), SD3's scoring
-    defaults for the command's DOCS_PROMPTS included (recast.sd3_scoring)."""
+    defaults for the command's DOCS_PROMPTS included (sd3world.scoring_defaults)."""
     import recast
+    import sd3world
 
-    return {**{k: getattr(recast.Args(), k) for k in DEFAULTED}, **recast.sd3_scoring(DOCS_PROMPTS)}
+    defaults = {k: getattr(recast.Args(), k) for k in DEFAULTED}
+    return {**defaults, **sd3world.scoring_defaults(DOCS_PROMPTS)}
 
 
 def run_settings(args) -> tuple[dict, dict, dict]:
@@ -1265,6 +1269,8 @@ def anchor_section(rep: dict) -> list[str]:
 def print_cost_model() -> None:
     """--cost-model: the cost model of the full-size configurations for docs/sd35.md's one-GPU
     command, its 32 prompts and SD3's scoring defaults (no device, nothing built)."""
+    import cli
+
     c = load_configs()
     r512 = {**recast_defaults(), **FULL_RUN, "prompts": DOCS_PROMPTS, "grad_checkpointing": False,
             "eval_images": 0}  # fmt: skip
@@ -1288,7 +1294,7 @@ def print_cost_model() -> None:
           "prompts, no eval):")  # fmt: skip
     print("  --gain-frac  groups --gain-every --score-precision  FLOP share  time share at peak")
     for x in recast_shares(cf, r512):
-        groups = max(1, round(x["gain_frac"] * r512["prompts"]))
+        groups = cli.scored_groups(x["gain_frac"], r512["prompts"], 1)
         print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
               f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
