@@ -88,7 +88,12 @@ class VLMJudge:
     """Pairwise preferences of the vision-language model in the local folder `path`, on `device`
     (bf16 on a GPU, fp32 otherwise, unless `dtype` is given)."""
 
-    def __init__(self, path: str, device: torch.device, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+    ):
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise FileNotFoundError(
