@@ -17,10 +17,11 @@ parameters counted by building each model from its released config.json on the m
 two forwards a pair, each with both images. A 512 x 512 image is resized to 504 x 504: 36 x 36
 patches of 14 px, merged 2 x 2 into 324 tokens; a forward reads ~740 tokens (648 of images, ~90 of
 question and prompt) and 2,592 patches. At 2 FLOP per parameter and token (the vision tower on the
-patches, the language model on the tokens plus causal attention, the output layer on the last
-token only) a forward is 7.6 TFLOP for the 3B (3.5 of them in the vision tower) and 13.3 for the
-7B: ~15 and ~27 TFLOP a pair, ~0.04 s and ~0.07 s a pair at an assumed 400 TFLOP/s (bf16 on an
-H100/H200; not measured). Activations are small beside the weights: nothing is cached.
+patches, the language model on the tokens, the output layer on the last token only) plus attention,
+a forward is 7.7 TFLOP for the 3B (3.6 of them in the vision tower) and 13.3 for the 7B: ~15 and
+~27 TFLOP a pair, ~0.04 s and ~0.07 s a pair at an assumed 400 TFLOP/s (bf16 on an H100/H200; not
+measured). benchmarks/judge_cost.py computes these; docs/judge.md has the table. Activations are
+small beside the weights: nothing is cached.
 
 The model must be a local folder as released (config.json, weights, tokenizer files with the chat
 template, preprocessor_config.json): nothing is downloaded, and a missing or wrong folder is a
