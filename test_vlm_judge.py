@@ -42,6 +42,9 @@ def test_inputs_show_both_images_and_the_prompt(judge):
     assert inputs["mm_token_type_ids"].sum(1).tolist() == [8, 8]
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]] * 4
     assert inputs["pixel_values"].shape[0] == 4 * 16
+    each = [judge.image_processor(images=[im], return_tensors="pt") for p in pairs for im in p]
+    in_order = torch.cat([e["pixel_values"] for e in each])  # A1, B1, A2, B2
+    assert torch.equal(inputs["pixel_values"], in_order)
     assert inputs["attention_mask"][:, -1].all()  # left padding: the answer follows every row
     for row, mask, prompt in zip(ids, inputs["attention_mask"], PROMPTS[:2], strict=True):
         text = judge.tokenizer.decode(row[mask.bool()])
