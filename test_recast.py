@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import modelzoo
 import rewards
 import toyworld as tw
+from modelzoo import TINY_TEXT, clip_tokenizer
 from plots import centroid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,8 +65,9 @@ def test_imports_are_one_way():
     """Worlds and rewards are leaves (they never import the loop, its command line or plumbing),
     kernels import only torch, triton and math, and no cycle exists among the project's modules."""
     graph = _project_imports()
-    assert {"recast", "toyworld", "sd3world", "rewards", "kernels.nft_loss"} <= set(graph)
-    for leaf in ("toyworld", "sd3world", "rewards"):
+    leaves = ("toyworld", "sd3world", "rewards", "modelzoo")
+    assert {"recast", *leaves, "kernels.nft_loss"} <= set(graph)
+    for leaf in leaves:
         assert not graph[leaf] & {"recast", "cli", "checkpoint", "plots"}, (leaf, graph[leaf])
     assert not any("recast" in deps for deps in graph.values()), graph
     for kernel in ("kernels.nft_loss", "kernels.renyi"):
@@ -856,61 +859,12 @@ SD3_PROMPTS = [
 # ---------------------------------------------------------------------------------------------
 # Tiny random models, saved and loaded like real ones
 # ---------------------------------------------------------------------------------------------
-def clip_tokenizer(folder):
-    """A CLIP tokenizer with one token per byte (and per end-of-word byte), no merges."""
-    from transformers import CLIPTokenizer
-
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
-    others = [b for b in range(256) if b not in printable]
-    chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
-    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": 256 + i for i, c in enumerate(chars)}
-    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n")
-    return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
-
-
-TEXT = dict(
-    vocab_size=514, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    num_attention_heads=2, max_position_embeddings=77, bos_token_id=512, eos_token_id=513,
-    pad_token_id=513,
-)  # fmt: skip
-
-
 @pytest.fixture(scope="session")
 def sd3_dir(tmp_path_factory):
     """A tiny SD3 pipeline (T5 left out): 32 px images, 4 × 16 × 16 latents."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
     root = tmp_path_factory.mktemp("sd3")
     torch.manual_seed(0)
-    tokenizer = clip_tokenizer(root / "tokenizer")
-    encoder = lambda: CLIPTextModelWithProjection(CLIPTextConfig(**TEXT, projection_dim=16))  # noqa: E731
-    pipe = StableDiffusion3Pipeline(
-        transformer=SD3Transformer2DModel(
-            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-            num_attention_heads=2, attention_head_dim=8, joint_attention_dim=32,
-            caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=16,
-        ),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=AutoencoderKL(
-            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
-            block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
-            sample_size=32, scaling_factor=1.5, shift_factor=0.06,
-        ),
-        text_encoder=encoder(), tokenizer=tokenizer,
-        text_encoder_2=encoder(), tokenizer_2=tokenizer,
-        text_encoder_3=None, tokenizer_3=None,
-    )  # fmt: skip
+    pipe = modelzoo.tiny_sd3_pipeline(clip_tokenizer(root / "tokenizer"))
     pipe.save_pretrained(root / "pipe")
     return str(root / "pipe")
 
@@ -925,7 +879,9 @@ def reward_env(tmp_path_factory):
     torch.manual_seed(1)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     config = CLIPConfig(
-        text_config=TEXT, vision_config=dict(vision, image_size=32, patch_size=8), projection_dim=8
+        text_config=TINY_TEXT,
+        vision_config=dict(vision, image_size=32, patch_size=8),
+        projection_dim=8,
     )
     CLIPModel(config).save_pretrained(root / "clip")
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})

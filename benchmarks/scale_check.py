@@ -64,7 +64,6 @@ reward input and the structure are kept; the runs use SHRUNK_RUN's sizes (32 and
 
 import argparse
 import contextlib
-import copy
 import gc
 import json
 import math
@@ -79,9 +78,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
-CONFIGS = ROOT / "benchmarks" / "configs"
-SHRINKS = (2, 4, 8, 16)
-SHRINK_DEPTH = 8  # --shrink also divides every depth by this (at least 1 layer; 2 for the MMDiT)
+from modelzoo import (  # noqa: E402 (after the path)
+    SHRINK_DEPTH,
+    SHRINKS,
+    OpenClipLike,
+    clip_config,
+    clip_text_config,
+    clip_tokenizer,
+    load_configs,
+    n_params,
+    prompts,
+    reward_image_processor,
+    sd35m_models,
+    t5_config,
+    t5_tokenizer,
+)
+
 LAMBDA = "0.4,0.2,0.2,0.2"
 # docs/sd35.md's one-GPU command (its --epochs 100 becomes 2; --eval-every 10 keeps eval to the
 # base model and the last epoch; 8 of its DOCS_PROMPTS prompts, scoring its fraction of them);
@@ -171,131 +183,8 @@ def unwritable(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------
-def load_configs(shrink: int = 0) -> dict:
-    """{name: the "config" of benchmarks/configs/NAME.json} (plus the aesthetic head's widths and
-    the reward image size), every width divided by `shrink` when given."""
-    raw = {p.stem: json.loads(p.read_text()) for p in sorted(CONFIGS.glob("*.json"))}
-    c = {k: copy.deepcopy(v["config"]) for k, v in raw.items()}
-    c["aesthetic_head"] = list(raw["clip_vit_l14"]["aesthetic_head"]["widths"])
-    c["reward_image_size"] = raw["clip_vit_h14"]["processor"]["crop_size"]
-    c["t5_tokens"] = raw["t5xxl_encoder"]["sequence_length"]
-    if shrink:
-        shrink_configs(c, shrink)
-    return c
-
-
-def shrink_configs(c: dict, f: int) -> None:
-    """--shrink F, in place: every width ÷ F (attention: heads ÷ h and head width ÷ F/h, h = 2 or
-    4, so that the L² attention scores shrink too), every depth ÷ SHRINK_DEPTH (at least one
-    layer, two for the MMDiT; SD3.5's dual-attention share of the blocks kept); sequence lengths,
-    vocabularies and the structure unchanged."""
-    h = 2 ** math.ceil(math.log2(f) / 2)  # heads ÷ h, head width ÷ f / h
-
-    def depth(n: int, least: int = 1) -> int:
-        return max(least, round(n / SHRINK_DEPTH))
-
-    tr = c["sd35m_transformer"]
-    dual = len(tr["dual_attention_layers"]) / tr["num_layers"]
-    tr["num_attention_heads"] //= h
-    tr["attention_head_dim"] //= f // h
-    for k in ("caption_projection_dim", "joint_attention_dim", "pooled_projection_dim"):
-        tr[k] //= f
-    tr["num_layers"] = depth(tr["num_layers"], 2)
-    tr["dual_attention_layers"] = list(range(max(1, round(dual * tr["num_layers"]))))
-    vae = c["sd35m_vae"]
-    vae["block_out_channels"] = [w // f for w in vae["block_out_channels"]]
-    vae["norm_num_groups"] = max(1, vae["norm_num_groups"] // f)
-    towers = [c["clip_l_text"], c["clip_g_text"]]
-    for name in ("clip_vit_h14", "clip_vit_l14"):
-        c[name]["projection_dim"] //= f
-        towers += [c[name]["text_config"], c[name]["vision_config"]]
-    for cfg in towers:
-        for k in ("hidden_size", "intermediate_size", "projection_dim"):
-            if k in cfg:
-                cfg[k] //= f
-        cfg["num_attention_heads"] //= h
-        cfg["num_hidden_layers"] = depth(cfg["num_hidden_layers"])
-    t5 = c["t5xxl_encoder"]
-    t5["d_model"] //= f
-    t5["d_ff"] //= f
-    t5["num_heads"] //= h
-    t5["d_kv"] //= f // h
-    t5["num_layers"] = depth(t5["num_layers"])
-    c["aesthetic_head"] = [max(1, w // f) for w in c["aesthetic_head"][:-1]] + [1]
-
-
-CLIP_IDS = dict(bos_token_id=512, eos_token_id=513, pad_token_id=513)  # test_recast.clip_tokenizer
-
-
-def clip_text_config(cfg: dict):
-    from transformers import CLIPTextConfig
-
-    return CLIPTextConfig(**cfg, **CLIP_IDS)
-
-
-def clip_config(cfg: dict):
-    from transformers import CLIPConfig
-
-    return CLIPConfig(
-        text_config={**cfg["text_config"], **CLIP_IDS},
-        vision_config=cfg["vision_config"],
-        projection_dim=cfg["projection_dim"],
-    )
-
-
-def t5_config(cfg: dict):
-    from transformers import T5Config
-
-    return T5Config(**cfg)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizers (small, generated; real sequence lengths) and prompts
-# ---------------------------------------------------------------------------------------------
-def clip_tokenizer(folder: Path):
-    """test_recast.py's CLIP tokenizer: one token per byte, 77 tokens."""
-    from test_recast import clip_tokenizer as make
-
-    return make(folder)
-
-
-def t5_tokenizer(folder: Path):
-    """A T5 tokenizer (SentencePiece-style unigram) with one token per printable character."""
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
-    pieces += [(chr(c), -2.0) for c in range(33, 127)]
-    tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
-    tok.save_pretrained(folder)
-    return tok
-
-
-SUBJECTS = ["a red fox", "an old lighthouse", "a bowl of ramen", "a glass teapot", "two cyclists",
-            "a snowy village", "a robot gardener", "a koi pond", "a paper boat", "a jazz trio",
-            "a desert canyon", "a city tram"]  # fmt: skip
-STYLES = ["oil painting, thick brush strokes", "studio photograph, soft light",
-          "watercolour on rough paper", "isometric 3d render", "charcoal sketch"]  # fmt: skip
-
-
-def prompts(n: int, offset: int = 0) -> list[str]:
-    """n distinct prompts of 100+ characters: past CLIP's 77 tokens with a byte tokenizer."""
-    out = []
-    for i in range(offset, offset + n):
-        s, st = SUBJECTS[i % len(SUBJECTS)], STYLES[(i // len(SUBJECTS)) % len(STYLES)]
-        out.append(f"{s} at dusk, seen from a low angle, {st}, highly detailed, sharp focus, "
-                   f"balanced composition, variant {i}")  # fmt: skip
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 # Models: built with random weights on the device, saved where the real loaders read them
 # ---------------------------------------------------------------------------------------------
-def n_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def build_and_save(c: dict, root: Path, device, dtype) -> dict:
     """The SD3.5 pipeline folder and the reward-model folders under `root`; returns their paths
     and parameter counts."""
@@ -307,13 +196,7 @@ def build_and_save(c: dict, root: Path, device, dtype) -> dict:
         StableDiffusion3Pipeline,
     )
     from safetensors.torch import save_file
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPModel,
-        CLIPProcessor,
-        CLIPTextModelWithProjection,
-        T5EncoderModel,
-    )
+    from transformers import CLIPModel, CLIPProcessor, CLIPTextModelWithProjection, T5EncoderModel
 
     torch.manual_seed(0)
     counts, paths = {}, {}
@@ -340,9 +223,7 @@ def build_and_save(c: dict, root: Path, device, dtype) -> dict:
     del pipe, transformer, vae, clip_l, clip_g, t5
     free_device_memory()
 
-    size = c["reward_image_size"]
-    images = CLIPImageProcessor(size={"shortest_edge": size},
-                                crop_size={"height": size, "width": size})  # fmt: skip
+    images = reward_image_processor(c["reward_image_size"])
     for name, key in (("clip_h", "clip_vit_h14"), ("hpsv2_clip", "clip_vit_h14"),
                       ("clip_l14", "clip_vit_l14")):  # fmt: skip
         with torch.device(device):
@@ -403,23 +284,9 @@ def hpsv2_stand_in(folder: str, size: int):
     ViT-H/14 behind open_clip's model(image, text) → {"image_features", "text_features"}, scored
     by rewards.hpsv2_scorer (the real reward's own scoring code). Loaded once per device."""
     import torch
-    import torch.nn.functional as F
     from transformers import CLIPModel, CLIPTokenizer
 
     import rewards
-
-    class OpenClipLike(torch.nn.Module):
-        def __init__(self, clip):
-            super().__init__()
-            self.clip = clip
-
-        def forward(self, image, text):
-            img = self.clip.visual_projection(
-                self.clip.vision_model(pixel_values=image).pooler_output
-            )
-            txt = self.clip.text_projection(self.clip.text_model(input_ids=text).pooler_output)
-            return {"image_features": F.normalize(img, dim=-1),
-                    "text_features": F.normalize(txt, dim=-1)}  # fmt: skip
 
     loaded = {}
 
@@ -449,9 +316,7 @@ def component_flops(c: dict, resolutions) -> dict:
     at each resolution. The transformer's backward has its weights frozen (only input gradients,
     as for the LoRA-wrapped base model; the adapters' own FLOPs, < 1 %, are left out)."""
     import torch
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import CLIPModel, CLIPTextModelWithProjection, T5EncoderModel
 
     def count(fn) -> float:
         with FlopCounterMode(display=False) as fc:
@@ -461,15 +326,10 @@ def component_flops(c: dict, resolutions) -> dict:
     meta = torch.device("meta")
     out = {}
     with meta:
-        tr = SD3Transformer2DModel(**c["sd35m_transformer"]).requires_grad_(False)
-        vae = AutoencoderKL(**c["sd35m_vae"])
-        texts = {
-            "clip_l_text": CLIPTextModelWithProjection(clip_text_config(c["clip_l_text"])),
-            "clip_g_text": CLIPTextModelWithProjection(clip_text_config(c["clip_g_text"])),
-        }
-        t5 = T5EncoderModel(t5_config(c["t5xxl_encoder"]))
-        clips = {"clip_h": CLIPModel(clip_config(c["clip_vit_h14"])),
-                 "clip_l14": CLIPModel(clip_config(c["clip_vit_l14"]))}  # fmt: skip
+        m = sd35m_models(c)
+    tr, vae, t5 = m["transformer"].requires_grad_(False), m["vae"], m["t5xxl_encoder"]
+    texts = {k: m[k] for k in ("clip_l_text", "clip_g_text")}
+    clips = {"clip_h": m["clip_vit_h14"], "clip_l14": m["clip_vit_l14"]}
     tr_cfg, vae_cfg = c["sd35m_transformer"], c["sd35m_vae"]
     down = 2 ** (len(vae_cfg["block_out_channels"]) - 1)
     ctx = 77 + c["t5_tokens"]
@@ -1303,19 +1163,9 @@ def print_cost_model() -> None:
 def config_params(c: dict) -> dict:
     """Parameter counts of the configured models, built on the meta device."""
     import torch
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import CLIPModel, CLIPTextModelWithProjection, T5EncoderModel
 
     with torch.device("meta"):
-        models = {
-            "transformer": SD3Transformer2DModel(**c["sd35m_transformer"]),
-            "vae": AutoencoderKL(**c["sd35m_vae"]),
-            "clip_l_text": CLIPTextModelWithProjection(clip_text_config(c["clip_l_text"])),
-            "clip_g_text": CLIPTextModelWithProjection(clip_text_config(c["clip_g_text"])),
-            "t5xxl_encoder": T5EncoderModel(t5_config(c["t5xxl_encoder"])),
-            "clip_vit_h14": CLIPModel(clip_config(c["clip_vit_h14"])),
-            "clip_vit_l14": CLIPModel(clip_config(c["clip_vit_l14"])),
-        }
+        models = sd35m_models(c)
     return {k: n_params(m) for k, m in models.items()}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import modelzoo
 from benchmarks import scale_check as sc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,11 +161,11 @@ def test_unwritable_out_and_no_gpu_exit_2(tmp_path, capsys):
     assert "--shrink 16" in err and not out.exists()
 
 
-@pytest.mark.parametrize("shrink", [0, *sc.SHRINKS])
+@pytest.mark.parametrize("shrink", [0, *modelzoo.SHRINKS])
 def test_configurations_fit_together(shrink):
     """What the pipeline needs of its parts, at the real size and at every --shrink: whole head
     widths, the CLIP embeddings padded to T5's width, the pooled embeddings concatenated."""
-    c = sc.load_configs(shrink)
+    c = modelzoo.load_configs(shrink)
     tr, t5 = c["sd35m_transformer"], c["t5xxl_encoder"]
     clip_l, clip_g = c["clip_l_text"], c["clip_g_text"]
     assert tr["num_attention_heads"] * tr["attention_head_dim"] == tr["caption_projection_dim"]
