@@ -90,3 +90,21 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
         assert e.value.code == 2 and message in capsys.readouterr().err, message
     index = json.loads((tmp_path / "a" / "eval_images" / "index.json").read_text())
     assert index["epoch"] == 20  # nothing was written over
+
+
+def test_judge_command_with_a_tiny_local_vlm(tmp_path, capsys):
+    """--judge vlm: the tiny random Qwen2.5-VL built here answers every pair (its verdicts are
+    ties: a random model favours one position in both orders); a missing folder exits 2."""
+    import modelzoo
+
+    model = modelzoo.tiny_vlm(tmp_path / "vlm")
+    ideal = tw.render(PROMPTS)
+    a = fake_run(tmp_path / "a", ideal)
+    b = fake_run(tmp_path / "b", tw.blur(ideal.flatten(0, 1), 1.5).view_as(ideal))
+    judge.main([a, b, "--judge", "vlm", "--judge-model", model, "--device", "cpu"])
+    said = capsys.readouterr().out
+    assert "judge: vlm; 12 pairs (6 prompts × 2 seeds)" in said and "A preferred" in said
+    with pytest.raises(SystemExit) as e:
+        judge.main([a, b, "--judge", "vlm", "--judge-model", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--judge-model" in err and "nowhere" in err
