@@ -85,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernel below is interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -100,12 +101,13 @@ _TILE = 1024  # elements per (groups × members) tile
 _NUM_WARPS = 4
 
 
-def _values_readable(x: torch.Tensor) -> bool:
-    """Whether the host can read x's values now. Not while torch.compile traces (reading one is a
-    data-dependent guard: a graph break, or an error under fullgraph=True), and not for a meta or
-    fake tensor (FakeTensorMode, a memory plan): they have no values. Such calls skip the value
-    checks and get what CUDA gives without CHECK_VALUES; shapes and dtypes are still checked."""
-    return not (torch.compiler.is_compiling() or x.is_meta or is_fake(x))
+def _traced(x: torch.Tensor) -> bool:
+    """Whether a call on x is traced rather than run: under torch.compile, under a
+    TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on a tensor without data
+    (meta, fake). A traced call reads no value (under torch.compile a read is a data-dependent
+    guard: a graph break, an error with fullgraph=True; meta and fake tensors have none), so it
+    skips the value checks and gets what CUDA gives without CHECK_VALUES."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or x.is_meta or is_fake(x)
 
 
 def _check_group_size(n: int, group_size: int) -> None:
@@ -145,7 +147,7 @@ def group_optimality(
         raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
     _check_group_size(final_scores.shape[-1], group_size)
     _check_adv_clip_max(adv_clip_max)
-    if (final_scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(final_scores):
+    if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
         if not bool(torch.isfinite(final_scores).all()):
             raise ValueError("final_scores contains NaN or inf")
     return _group_optimality(final_scores, group_size, adv_clip_max)
@@ -165,7 +167,7 @@ def _check_inputs(scores, group_size, alpha, adv_clip_max) -> None:
     if not 0 < alpha < math.inf:
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
     _check_adv_clip_max(adv_clip_max)
-    if (scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(scores):  # CUDA: a sync
+    if (scores.device.type == "cpu" or CHECK_VALUES) and not _traced(scores):  # CUDA: a sync
         if not bool(torch.isfinite(scores).all()):
             raise ValueError("scores contains NaN or inf")
 
