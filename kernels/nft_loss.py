@@ -71,31 +71,34 @@ t is not checked to lie in (0, 1], nor r in [0, 1].
 
 Tracing, torch.compile and memory plans
 ---------------------------------------
-The launches run inside two torch.library custom operators, recast::nft_loss_forward (launches 1
-and 2; returns the loss and the (N, 2) coefficients) and recast::nft_loss_backward (launch 3), with
-the backward registered as the forward's autograd formula. Each has a fake implementation: the
-same Python code, with the same allocations (the copies of inputs without an (N, D) view, the
-(N, 5, n_chunks) partial sums, the coefficients, the loss, the gradient), minus the launches. So:
-- torch.compile(fullgraph=True) traces a step that calls nft_loss without a graph break (the
-  operators are nodes of its graph; dynamic shapes work), and the compiled loss and gradient are
-  the eager ones, bit for bit;
-- under FakeTensorMode, and on meta tensors, forward and backward run the fake implementations:
-  shapes and dtypes of the loss and the gradient, no launch, no value read. Meta tensors take this
-  path even where the kernels do not run (a CPU machine without TRITON_INTERPRET), so that a memory
-  plan made on meta tensors counts the kernels' buffers, not the reference's intermediates. The
-  chunk count of a meta or interpreted call is that of an 8-SM GPU: the partial sums, at most
-  N × 1.25 KiB, are then smaller than on a real GPU.
-This needs torch >= 2.4 (torch.library.custom_op, register_fake, register_autograd). The operators
-add some host time to an eager call (about 65 µs for forward + backward on a 2-core CPU).
-Inductor sees each operator as one opaque call; torch.library.triton_op would let it see the
-launches, but under TRITON_INTERPRET its fake implementation would run the interpreter on tensors
-without data, so the CPU tests could not check it.
+Launches 1-2 and launch 3 are also wrapped as two torch.library custom operators,
+recast::nft_loss_forward (the loss and the (N, 2) coefficients) and recast::nft_loss_backward (the
+gradient), each with a fake implementation: the same Python code with the same allocations (copies
+of inputs that have no (N, D) view, the (N, 5, n_chunks) partial sums, the coefficients, the loss,
+the gradient), minus the launches. A call that is traced rather than run goes through them: under
+torch.compile, under a TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on meta or
+fake tensors. Hence:
+- torch.compile(fullgraph=True) of a step that calls nft_loss has no graph break (Dynamo traces
+  the autograd.Function; the operators are nodes of its forward and backward graphs), with dynamic
+  shapes too, and the compiled loss and gradient equal the eager ones bit for bit;
+- under FakeTensorMode and on meta tensors, forward and backward run the fake implementations:
+  shapes and dtypes, no launch, no value read. Meta tensors take this path even where the kernels
+  cannot run (no GPU, no TRITON_INTERPRET), so a memory plan made on meta tensors counts the
+  kernels' buffers and what the backward keeps (vθ, v_old, x0, ε, v_ref themselves, and the
+  coefficients), not the reference's intermediates. On meta, as in the interpreter, rows are
+  chunked as on an 8-SM GPU: the partial sums (at most N × 1.25 KiB) are smaller than on a GPU.
+An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
+host time to a forward + backward (measured on a 2-core CPU). Needs torch >= 2.4
+(torch.library.custom_op). Inductor sees each operator as one opaque call: torch.library.triton_op
+would let it see the launches, but under TRITON_INTERPRET its fake implementation would run the
+interpreter on tensors without data.
 
 Dtypes and layouts
 ------------------
 vθ, v_old, x0, ε, v_ref: fp32, bf16 or fp16, one dtype and device, any shape (N, ...). They are
 viewed as (N, D) with reshape(N, -1), which copies only when no such view exists (e.g. channels-last
-tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous.
+tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous. Such
+copies are made in the forward and again in the backward: the inputs, not the copies, are saved.
 Rows may be strided (e.g. x[::2]): no copy. All arithmetic is fp32. t: (N,) float, t_index: (N,)
 integer, r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32 scalar.
 reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the plain-PyTorch
@@ -500,14 +503,9 @@ def _guard(x: torch.Tensor):
     return torch.cuda.device(x.device.index if x.is_cuda else -1)
 
 
-# Launches 1 and 2, and launch 3, are each wrapped in a torch.library custom operator with a fake
-# implementation: the same code with the same allocations, and no launch. A traced call (_traced)
-# goes through the operators: torch.compile keeps each as one node of its graph (no graph break),
-# and meta tensors, FakeTensorMode and the tracing of torch.compile run the fake implementations,
-# so that a memory plan made on meta tensors counts the kernels' buffers. An eager call runs the
-# same code without the operators' dispatch, which costs host time (see the header).
-# (torch.library.triton_op would let Inductor see into the launches, but under TRITON_INTERPRET its
-# fake implementation runs the interpreter on tensors that hold no data.)
+# Launches 1-2 and launch 3 as torch.library custom operators, each with a fake implementation (the
+# same code and allocations, no launch); _NFTLoss goes through them when the call is traced, and
+# calls their code directly otherwise (see "Tracing, torch.compile and memory plans" above).
 
 
 def _nft_forward_impl(
@@ -658,8 +656,8 @@ def nft_loss(
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
     reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES). Meta tensors
-    take the kernels' path without launching them (for memory plans), as do fake tensors of a
-    device where the kernels run; torch.compile(fullgraph=True) traces it without a break.
+    take the kernels' path without launching them (for memory plans), as do fake tensors where
+    the kernels would run; torch.compile(fullgraph=True) traces it without a graph break.
     """
     beta, adv_clip_max, kl_coef = float(beta), float(adv_clip_max), float(kl_coef)  # the ops' types
     _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)

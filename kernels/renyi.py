@@ -58,9 +58,21 @@ Value checks
 ------------
 Shapes, dtypes and the arguments are always checked. That the scores are finite is checked only
 where it costs no synchronisation: for CPU tensors, or on CUDA when CHECK_VALUES is True
-(`kernels.renyi.CHECK_VALUES = True`, a debugging switch). Without it, a NaN or inf among the final
+(`kernels.renyi.CHECK_VALUES = True`, a debugging switch), and never while torch.compile traces or
+on meta and fake tensors, which have no values to read. Without it, a NaN or inf among the final
 scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
 (the step-0 scores are never read: D[k, 0] is 0 by definition).
+
+Tracing, torch.compile and memory plans
+---------------------------------------
+The launch runs inside a torch.library custom operator, recast::renyi_gains, whose fake
+implementation makes the same two outputs and launches nothing. torch.compile(fullgraph=True)
+keeps it as one node of its graph (no graph break; D and the gains equal eager's bit for bit), and
+FakeTensorMode and meta tensors run the fake implementation: D (K, T+1) and gains (K, T), fp32,
+no launch, no value read. Meta tensors take this path even where the kernel cannot run (no GPU, no
+TRITON_INTERPRET). group_optimality and the W functions are plain PyTorch and trace as they are
+(recast_weights runs on the CPU in float64 and reads values: it is not meant to be traced). Needs
+torch >= 2.4 (torch.library.custom_op).
 
 Precision on a GPU
 ------------------
@@ -71,7 +83,8 @@ same algorithm run in fp32 on the CPU, plus 64 fp32 ulp scaled by (1 + α)/|α -
 divergence amplifies a log-ratio error; 1 for KL). Checked against reference_renyi_gains under
 TRITON_INTERPRET=1 on CPU and compiled ahead of time for sm_80 and sm_90 with triton.compile; on
 one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the ReCAST repository has
-the timings).
+the timings). torch.compile (backends eager and aot_eager), FakeTensorMode and meta tensors were
+checked on CPU (torch 2.13), not yet on a GPU.
 
 Limits
 ------
@@ -377,9 +390,10 @@ def _launch(scores, group_size, alpha, adv_clip_max, launch):
     return divergence, gains
 
 
-# The launch runs inside a torch.library custom operator with a fake implementation (the same
-# allocations, no launch): torch.compile keeps it as one node of its graph, and meta tensors,
-# FakeTensorMode and the tracing of torch.compile run the fake implementation (see nft_loss.py).
+# The launch as a torch.library custom operator with a fake implementation (the same allocations,
+# no launch), which meta tensors, FakeTensorMode and torch.compile's tracing run (see the header).
+# torch.library.triton_op would let Inductor see into the launch, but under TRITON_INTERPRET its
+# fake implementation would run the interpreter on tensors without data.
 @torch.library.custom_op("recast::renyi_gains", mutates_args=())
 def _renyi_gains_op(
     scores: torch.Tensor, group_size: int, alpha: float, adv_clip_max: float
