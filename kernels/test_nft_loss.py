@@ -1,5 +1,5 @@
-"""Tests of kernels/nft_loss.py: the fused kernels against reference_nft_loss, and the reference
-against DESIGN §6 written out.
+"""Tests of kernels/nft_loss.py: the fused kernels against reference_nft_loss, the reference
+against DESIGN §6 written out, and the loss traced (torch.compile, FakeTensorMode, meta tensors).
 
 On CPU (the default) the kernels run in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda they are compiled and run on the GPU; the tolerances
@@ -384,7 +384,7 @@ def no_reference(*args, **kwargs):
     raise AssertionError("the reference ran instead of the kernels' operators")
 
 
-def no_launch(monkeypatch):
+def forbid_launches(monkeypatch):
     for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
         monkeypatch.setattr(nft, name, None)  # a launch would fail: None[grid]
 
@@ -426,7 +426,7 @@ def test_nft_loss_under_fake_tensor_mode(monkeypatch):
     """FakeTensorMode, forward and backward: the operators' fake implementations give the loss
     and gradient's shapes and dtypes; no value is read (t_index is out of range), no kernel is
     launched, the reference does not run."""
-    no_launch(monkeypatch)
+    forbid_launches(monkeypatch)
     monkeypatch.setattr(nft, "_reference_loss", no_reference)
     inputs = make_nft_inputs(5, (3, 7, 9), torch.bfloat16, seed=13)
     inputs["t_index"][0] = 99
@@ -446,7 +446,7 @@ def test_nft_loss_on_meta_runs_the_operators(monkeypatch):
     nothing (also without a dispatch mode watching)."""
     monkeypatch.setattr(nft, "_INTERPRET", False)
     monkeypatch.setattr(nft, "_reference_loss", no_reference)
-    no_launch(monkeypatch)
+    forbid_launches(monkeypatch)
     inputs = {k: v.to("meta") for k, v in make_nft_inputs(5, (3, 7, 9), seed=14).items()}
     loss_and_grad(nft.nft_loss, inputs, kl_coef=0.1)
     with RecordOps() as ops:
@@ -471,7 +471,7 @@ def test_nft_loss_operator_equals_eager():
     assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
 
 
-class NoLaunch:
+class SkipLaunch:
     """Stands in for a @triton.jit kernel: launches nothing."""
 
     def __getitem__(self, grid):
@@ -484,7 +484,7 @@ def test_nft_loss_fake_implementations_allocate_what_the_kernels_do(monkeypatch)
     tensors of its own): the buffers of launches 1-3 and the copies of inputs that have no (N, D)
     view (channels-last)."""
     for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
-        monkeypatch.setattr(nft, name, NoLaunch())
+        monkeypatch.setattr(nft, name, SkipLaunch())
     inputs = make_nft_inputs(5, (3, 7, 9), torch.float16, seed=15)
     inputs["v_old"] = inputs["v_old"].contiguous(memory_format=torch.channels_last)
     implementations = {
