@@ -85,8 +85,10 @@ fake tensors. Hence:
   shapes and dtypes, no launch, no value read. Meta tensors take this path even where the kernels
   cannot run (no GPU, no TRITON_INTERPRET), so a memory plan made on meta tensors counts the
   kernels' buffers and what the backward keeps (vθ, v_old, x0, ε, v_ref themselves, and the
-  coefficients), not the reference's intermediates. On meta, as in the interpreter, rows are
-  chunked as on an 8-SM GPU: the partial sums (at most N × 1.25 KiB) are smaller than on a GPU.
+  coefficients), not the reference's intermediates. (A tracer that watches the dispatcher, such
+  as MemTracker, sees an operator's outputs, not the temporaries it frees within the call.) On
+  meta, as in the interpreter, rows are chunked as on an 8-SM GPU: the partial sums (at most
+  N × 1.25 KiB) are smaller than on a GPU.
 An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
 host time to a forward + backward (measured on a 2-core CPU). Needs torch >= 2.4
 (torch.library.custom_op). Inductor sees each operator as one opaque call: torch.library.triton_op
