@@ -7,11 +7,12 @@ docs/models.md), add it to PARTS, and copy its tests in test_families.py.
 import torch
 
 import diffusersworld
+import fluxworld
 import hub
 import sd3world
 from diffusersworld import BadInput
 
-PARTS = {part.PIPELINE: part for part in (sd3world,)}
+PARTS = {part.PIPELINE: part for part in (sd3world, fluxworld)}
 
 
 def family_of(model: str):

@@ -260,3 +260,81 @@ def prompts(n: int, offset: int = 0) -> list[str]:
         out.append(f"{s} at dusk, seen from a low angle, {st}, highly detailed, sharp focus, "
                    f"balanced composition, variant {i}")  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny pipelines of the other diffusers families
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
+    """A tiny FLUX.1 pipeline saved to `folder`: -dev's shape with `guidance_embeds` (and its
+    resolution-dependent shift), -schnell's without (a static shift of 1). 32 px images, 4 × 16 ×
+    16 latents packed into 64 tokens of 16, one double- and one single-stream block, a tiny CLIP
+    (pooled) and a tiny T5. Random weights from the global RNG."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tok5 = t5_tokenizer(Path(folder) / "t5_tokenizer")
+    shift = dict(shift=1.0)  # -schnell: unshifted; -dev: shifted by resolution
+    if guidance_embeds:
+        shift = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                     base_image_seq_len=256, max_image_seq_len=4096, shift=3.0)  # fmt: skip
+    FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+            guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**shift),
+        vae=AutoencoderKL(
+            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
+            sample_size=32, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT)),
+        tokenizer=clip_tokenizer(Path(folder) / "clip_tokenizer"),
+        text_encoder_2=T5EncoderModel(T5Config(
+            vocab_size=len(tok5), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        tokenizer_2=tok5,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def tiny_reward_models(root) -> dict[str, str]:
+    """A tiny random CLIP (with a clip_tokenizer processor, 32 px images) and a tiny LAION-style
+    aesthetic head saved under `root`; returns the environment variables that point every CLIP
+    reward of rewards.py at them. Random weights from the global RNG."""
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    root = Path(root)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(
+        text_config=TINY_TEXT,
+        vision_config=dict(vision, image_size=32, patch_size=8),
+        projection_dim=8,
+    )
+    CLIPModel(config).save_pretrained(root / "clip")
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer(root / "tok"))
+    processor.save_pretrained(root / "clip")
+    widths = [8, 6, 5, 4, 3, 1]  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
+    head = {}
+    for layer, i, o in zip([0, 2, 4, 6, 7], widths, widths[1:], strict=False):
+        head[f"layers.{layer}.weight"] = torch.randn(o, i)
+        head[f"layers.{layer}.bias"] = torch.randn(o)
+    save_file(head, root / "head.safetensors")
+    torch.save(head, root / "head.pth")
+    clip = str(root / "clip")
+    return {
+        "RECAST_PICKSCORE": clip, "RECAST_PICKSCORE_PROCESSOR": clip, "RECAST_CLIPSCORE": clip,
+        "RECAST_AESTHETIC": clip, "RECAST_AESTHETIC_HEAD": str(root / "head.safetensors"),
+    }  # fmt: skip

@@ -76,6 +76,18 @@ def decode(pipe, z: torch.Tensor) -> torch.Tensor:
     return vae.decode(z / vae.config.scaling_factor + shift, return_dict=False)[0]
 
 
+def tiny(folder: str) -> str:
+    """A tiny random SD3 pipeline (T5 left out) saved in `folder`; built by modelzoo."""
+    import os
+
+    import modelzoo
+
+    modelzoo.tiny_sd3_pipeline(
+        modelzoo.clip_tokenizer(os.path.join(folder, "tok"))
+    ).save_pretrained(folder)
+    return folder
+
+
 class SD3World(diffusersworld.DiffusersWorld):
     """The diffusers world with the SD3 family part."""
 
