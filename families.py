@@ -9,10 +9,11 @@ import torch
 import diffusersworld
 import fluxworld
 import hub
+import qwenimageworld
 import sd3world
 from diffusersworld import BadInput
 
-PARTS = {part.PIPELINE: part for part in (sd3world, fluxworld)}
+PARTS = {part.PIPELINE: part for part in (sd3world, fluxworld, qwenimageworld)}
 
 
 def family_of(model: str):

@@ -263,8 +263,76 @@ def prompts(n: int, offset: int = 0) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny pipelines of the other diffusers families
+# Tiny pipelines of the other diffusers families, and the Qwen tokenizer and models they use
 # ---------------------------------------------------------------------------------------------
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>",
+                "</think>"]  # fmt: skip
+# Qwen's chat format: ChatML; with add_generation_prompt and enable_thinking=False an empty
+# think block follows, as Qwen3's own template writes it (FLUX.2-klein encodes prompts so)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
+)
+
+
+def qwen2_tokenizer(folder):
+    """A byte-level BPE tokenizer in Qwen2's format (Qwen2.5-VL's and Qwen3's): one token per
+    byte, no merges, Qwen's special tokens after the 256 bytes, and a ChatML chat template;
+    saved to `folder` and loaded from it."""
+    from transformers import Qwen2Tokenizer
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
+    vocab = {c: i for i, c in enumerate(chars)} | {s: 256 + i for i, s in enumerate(QWEN_SPECIAL)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return Qwen2Tokenizer.from_pretrained(folder)
+
+
+QWEN_VOCAB = 256 + len(QWEN_SPECIAL)
+QWEN_IDS = {  # Qwen2.5-VL's config: which tokens mark and hold an image
+    "image_token_id": 256 + QWEN_SPECIAL.index("<|image_pad|>"),
+    "video_token_id": 256 + QWEN_SPECIAL.index("<|video_pad|>"),
+    "vision_start_token_id": 256 + QWEN_SPECIAL.index("<|vision_start|>"),
+    "vision_end_token_id": 256 + QWEN_SPECIAL.index("<|vision_end|>"),
+}
+
+
+def tiny_qwen25vl(folder=None):
+    """A tiny Qwen2.5-VL (16 wide, 2 text layers, 1 vision block) with random weights from the
+    global RNG; with `folder`, saved there with a qwen2_tokenizer (chat template included) and
+    Qwen2-VL's image processor, from which Qwen2_5_VLForConditionalGeneration, the tokenizer and
+    the image processor load (a whole Qwen2_5_VLProcessor also wants a video processor, which
+    needs torchvision)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=QWEN_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                bos_token_id=256, eos_token_id=258,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [1, 1, 2]})  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                  fullatt_block_indexes=[0])  # fmt: skip
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **QWEN_IDS)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    if folder is not None:
+        from transformers import Qwen2VLImageProcessor
+
+        qwen2_tokenizer(folder)
+        model.save_pretrained(folder)
+        size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}  # pixels: 4 to 64 patches
+        Qwen2VLImageProcessor(size=size).save_pretrained(folder)
+    return model
 
 
 def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
@@ -304,6 +372,36 @@ def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
             vocab_size=len(tok5), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
             decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
         tokenizer_2=tok5,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def tiny_qwenimage_pipeline(folder) -> str:
+    """A tiny Qwen-Image pipeline saved to `folder`: 32 px images; its video VAE's 4 latent
+    channels (per-channel mean and std) × 4 × 4, packed into 16 tokens of 16; two MMDiT blocks;
+    a tiny Qwen2.5-VL text encoder with a generated qwen2_tokenizer. Random weights."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    QwenImagePipeline(
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+            max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        ),
+        vae=AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+            temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 2.0],
+        ),
+        text_encoder=tiny_qwen25vl(), tokenizer=qwen2_tokenizer(Path(folder) / "qwen_tokenizer"),
     ).save_pretrained(folder)  # fmt: skip
     return str(folder)
 

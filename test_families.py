@@ -30,10 +30,11 @@ VARIANTS = {
     "sd3": ("sd3world", {}, []),
     "flux-dev": ("fluxworld", {"distilled": "guidance"}, ["--guidance", "3.5"]),
     "flux-schnell": ("fluxworld", {"distilled": "timestep"}, []),
+    "qwen-image": ("qwenimageworld", {}, []),
 }
 # what each pipeline's __call__ needs to sample CFG-free, as the world does
 PIPELINE_CALL = {"sd3": {"guidance_scale": 1.0}, "flux-dev": {"guidance_scale": 3.5},
-                 "flux-schnell": {}}  # fmt: skip
+                 "flux-schnell": {}, "qwen-image": {}}  # fmt: skip
 PARTS = {p.__name__: p for p in families.PARTS.values()}
 
 
@@ -251,4 +252,5 @@ def test_family_parts_are_leaves():
         assert not imported & {"recast", "cli", "checkpoint", "plots"}, (name, imported)
         calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert not calls & {"sys.exit", "exit", "quit", "os._exit"}, name
-    assert set(families.PARTS) == {"StableDiffusion3Pipeline", "FluxPipeline"}
+    assert set(families.PARTS) == {"StableDiffusion3Pipeline", "FluxPipeline",
+                                   "QwenImagePipeline"}  # fmt: skip
