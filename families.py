@@ -7,13 +7,14 @@ docs/models.md), add it to PARTS, and copy its tests in test_families.py.
 import torch
 
 import diffusersworld
+import flux2world
 import fluxworld
 import hub
 import qwenimageworld
 import sd3world
 from diffusersworld import BadInput
 
-PARTS = {part.PIPELINE: part for part in (sd3world, fluxworld, qwenimageworld)}
+PARTS = {part.PIPELINE: part for part in (sd3world, fluxworld, flux2world, qwenimageworld)}
 
 
 def family_of(model: str):

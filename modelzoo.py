@@ -406,6 +406,47 @@ def tiny_qwenimage_pipeline(folder) -> str:
     return str(folder)
 
 
+def tiny_flux2_klein_pipeline(folder, distilled: bool = False) -> str:
+    """A tiny FLUX.2-klein pipeline saved to `folder` (the base checkpoint's shape; `distilled`
+    marks it step-distilled): 32 px images, 4 latent channels patchified to 16 (batch-norm
+    statistics per channel) × 8 × 8, packed into 64 tokens; a tiny Qwen3 of 28 layers (the
+    pipeline stacks layers 9, 18 and 27) with a generated qwen2_tokenizer. Random weights."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vae = AutoencoderKLFlux2(
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    )  # fmt: skip
+    with torch.no_grad():  # per-channel statistics that are not 0 and 1, so that they matter
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 16))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 16))
+    text = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8, max_position_embeddings=1024, bos_token_id=256,
+                       eos_token_id=258)  # fmt: skip
+    Flux2KleinPipeline(
+        transformer=Flux2Transformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, shift=3.0, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        ),
+        vae=vae, text_encoder=Qwen3ForCausalLM(text),
+        tokenizer=qwen2_tokenizer(Path(folder) / "qwen_tokenizer"), is_distilled=distilled,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
 def tiny_reward_models(root) -> dict[str, str]:
     """A tiny random CLIP (with a clip_tokenizer processor, 32 px images) and a tiny LAION-style
     aesthetic head saved under `root`; returns the environment variables that point every CLIP

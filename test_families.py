@@ -31,10 +31,12 @@ VARIANTS = {
     "flux-dev": ("fluxworld", {"distilled": "guidance"}, ["--guidance", "3.5"]),
     "flux-schnell": ("fluxworld", {"distilled": "timestep"}, []),
     "qwen-image": ("qwenimageworld", {}, []),
+    "flux2-klein": ("flux2world", {}, []),
 }
 # what each pipeline's __call__ needs to sample CFG-free, as the world does
 PIPELINE_CALL = {"sd3": {"guidance_scale": 1.0}, "flux-dev": {"guidance_scale": 3.5},
-                 "flux-schnell": {}, "qwen-image": {}}  # fmt: skip
+                 "flux-schnell": {}, "qwen-image": {},
+                 "flux2-klein": {"guidance_scale": 1.0}}  # fmt: skip
 PARTS = {p.__name__: p for p in families.PARTS.values()}
 
 
@@ -253,4 +255,4 @@ def test_family_parts_are_leaves():
         calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
         assert not calls & {"sys.exit", "exit", "quit", "os._exit"}, name
     assert set(families.PARTS) == {"StableDiffusion3Pipeline", "FluxPipeline",
-                                   "QwenImagePipeline"}  # fmt: skip
+                                   "Flux2KleinPipeline", "QwenImagePipeline"}  # fmt: skip
