@@ -256,3 +256,27 @@ def test_family_parts_are_leaves():
         assert not calls & {"sys.exit", "exit", "quit", "os._exit"}, name
     assert set(families.PARTS) == {"StableDiffusion3Pipeline", "FluxPipeline",
                                    "Flux2KleinPipeline", "QwenImagePipeline"}  # fmt: skip
+
+
+def test_real_size_configs_give_the_published_sizes():
+    """benchmarks/configs at real size (meta device): the parameter counts the model cards give
+    (FLUX.1 12 B, FLUX.2-klein 4 B with Qwen3-4B, Qwen-Image 20 B with Qwen2.5-VL-7B's 8.3 B), and
+    a forward at 1024 px costs 3-5× one at 512 px (4× the image tokens, the text tokens stay, and
+    attention grows faster than the tokens)."""
+    from benchmarks import scale_check as sc
+
+    c = modelzoo.load_configs()
+    published = {
+        "FLUX.1-dev": (11.9, 4.9),
+        "FLUX.2-klein 4B": (3.9, 4.0),
+        "Qwen-Image": (20.4, 8.3),
+    }
+    cf = {"clip_h_image": 1.0}  # the reward models' FLOPs are SD3.5's; not needed here
+    for family, (transformer, text) in published.items():
+        p = sc.family_params(c, family)
+        assert p["transformer"] == pytest.approx(transformer, abs=0.05), family
+        assert p["text"] == pytest.approx(text, abs=0.05), family
+        f = sc.family_flops(c, cf, family, (512, 1024))
+        assert 3 < f["transformer_fwd@1024"] / f["transformer_fwd@512"] < 5, family
+        assert 1 < f["transformer_bwd@512"] / f["transformer_fwd@512"] < 1.5, family
+        assert f["vae_decode@1024"] > f["vae_decode@512"] > 0 and f["text"] > 0, family
