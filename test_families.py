@@ -197,8 +197,9 @@ def metrics_of(out: Path) -> list[dict]:
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sd3"])
 def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, reward_env,
                                             tmp_path):  # fmt: skip
-    """One epoch, then --resume to two: the adapters train, W has λ's rows and 1/T's columns;
-    --profile writes its profile (SD3's runs are test_recast.py's)."""
+    """One epoch, then --resume to two: the same metrics as two epochs without a stop, the
+    adapters train, W has λ's rows and 1/T's columns; --profile writes its profile (SD3's runs
+    are test_recast.py's)."""
     script, out = os.path.join(HERE, "recast.py"), tmp_path / "run"
     flags = ["--model", tiny_dirs(variant), *VARIANTS[variant][2], "--prompts-file", prompts_file,
              *RUN]  # fmt: skip
@@ -207,6 +208,12 @@ def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, re
         env=reward_env)  # fmt: skip
     lines = metrics_of(out)
     assert [m["epoch"] for m in lines] == [0, 1, 2]
+    whole = tmp_path / "whole"  # the same two epochs without a stop: the same numbers
+    run(sys.executable, script, *flags, "--epochs", "2", "--out", str(whole), env=reward_env)
+    for a, b in zip(lines, metrics_of(whole), strict=True):  # epoch 1 was the first run's last,
+        assert {k: v for k, v in a.items() if k in b and not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }  # so it was evaluated there too
     for m in lines[1:]:
         W = torch.tensor(m["W"], dtype=torch.float64)
         assert torch.allclose(W.sum(1), torch.tensor([0.6, 0.4], dtype=torch.float64), atol=1e-5)
