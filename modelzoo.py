@@ -9,6 +9,12 @@
   77 tokens), `t5_tokenizer` (one token per printable character); `prompts` long enough to fill
   CLIP's 77 tokens with them.
 - `tiny_sd3_pipeline`: the tiny SD3 pipeline (T5 left out) that the tests train.
+- `tiny_vlm`: a tiny random Qwen2.5-VL saved as a local model folder (weights, a generated
+  byte-level tokenizer with the chat template, the image processor), for the VLM judge's tests
+  and Qwen-Image's text encoder.
+- `tiny_flux_pipeline`, `tiny_flux2_klein_pipeline` (with `qwen3_tokenizer`, Qwen3's chat
+  template), `tiny_qwenimage_pipeline`: a tiny pipeline of each other diffusers family, saved to a
+  folder (the family parts' `tiny()`); `tiny_reward_models`: tiny CLIP rewards and aesthetic head.
 
 A leaf: imports torch, diffusers and transformers only (lazily), never the training script.
 """
@@ -263,12 +269,118 @@ def prompts(n: int, offset: int = 0) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny pipelines of the other diffusers families, and the Qwen tokenizer and models they use
+# A tiny vision-language model (Qwen2.5-VL), saved as a model folder
+# ---------------------------------------------------------------------------------------------
+VLM_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL-Instruct's chat format: a default system turn, then <|im_start|>role\n...<|im_end|>\n
+# turns, each image a <|vision_start|><|image_pad|><|vision_end|> placeholder that preprocessing
+# widens to one <|image_pad|> per merged patch.
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
+    """Write a tiny random Qwen2.5-VL into `folder` as a released Qwen2.5-VL-Instruct folder is laid
+    out (config.json and weights, tokenizer with chat template, preprocessor_config.json), so that
+    AutoModelForImageTextToText, AutoTokenizer and AutoImageProcessor load it back offline; returns
+    the folder. Two text layers and two vision blocks, all 32 wide; images resized to at most
+    56 x 56 px: 4 x 4 patches of 14 px, merged 2 x 2 into 4 tokens an image. The tokenizer is a
+    byte-level BPE without merges over the 256 byte symbols (any text encodes; "1" and "2" are
+    single tokens, as in Qwen's vocabulary) plus VLM_SPECIAL_TOKENS. Its answers mean nothing;
+    loading, preprocessing and the forward are the real model's. Same seed, same weights; the
+    caller's random state is left as it was."""
+    from tokenizers import pre_tokenizers
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessorPil,
+    )
+
+    folder = os.fspath(folder)
+    vocab = {"<|endoftext|>": 0}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    for token in VLM_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(VLM_SPECIAL_TOKENS),
+    )
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(vocab),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,  # head width 8: 4 rotary frequencies, split (t, h, w) 2, 1, 1
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+            "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"],
+            "bos_token_id": None,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "out_hidden_size": 32,  # the text width: merged patches become token embeddings
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny pipelines of the other diffusers families, and the Qwen3 tokenizer FLUX.2-klein uses
 # ---------------------------------------------------------------------------------------------
 QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                 "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>",
                 "</think>"]  # fmt: skip
-# Qwen's chat format: ChatML; with add_generation_prompt and enable_thinking=False an empty
+# Qwen3's chat format: ChatML; with add_generation_prompt and enable_thinking=False an empty
 # think block follows, as Qwen3's own template writes it (FLUX.2-klein encodes prompts so)
 QWEN_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
@@ -282,10 +394,10 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
-def qwen2_tokenizer(folder):
-    """A byte-level BPE tokenizer in Qwen2's format (Qwen2.5-VL's and Qwen3's): one token per
-    byte, no merges, Qwen's special tokens after the 256 bytes, and a ChatML chat template;
-    saved to `folder` and loaded from it."""
+def qwen3_tokenizer(folder):
+    """A byte-level BPE tokenizer in Qwen2's format, as Qwen3 uses it: one token per byte, no
+    merges, Qwen's special tokens after the 256 bytes, and Qwen3's chat template (thinking can
+    be switched off); saved to `folder` and loaded from it."""
     from transformers import Qwen2Tokenizer
 
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
@@ -300,39 +412,6 @@ def qwen2_tokenizer(folder):
 
 
 QWEN_VOCAB = 256 + len(QWEN_SPECIAL)
-QWEN_IDS = {  # Qwen2.5-VL's config: which tokens mark and hold an image
-    "image_token_id": 256 + QWEN_SPECIAL.index("<|image_pad|>"),
-    "video_token_id": 256 + QWEN_SPECIAL.index("<|video_pad|>"),
-    "vision_start_token_id": 256 + QWEN_SPECIAL.index("<|vision_start|>"),
-    "vision_end_token_id": 256 + QWEN_SPECIAL.index("<|vision_end|>"),
-}
-
-
-def tiny_qwen25vl(folder=None):
-    """A tiny Qwen2.5-VL (16 wide, 2 text layers, 1 vision block) with random weights from the
-    global RNG; with `folder`, saved there with a qwen2_tokenizer (chat template included) and
-    Qwen2-VL's image processor, from which Qwen2_5_VLForConditionalGeneration, the tokenizer and
-    the image processor load (a whole Qwen2_5_VLProcessor also wants a video processor, which
-    needs torchvision)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    text = dict(vocab_size=QWEN_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                bos_token_id=256, eos_token_id=258,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                 "mrope_section": [1, 1, 2]})  # fmt: skip
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                  fullatt_block_indexes=[0])  # fmt: skip
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **QWEN_IDS)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    if folder is not None:
-        from transformers import Qwen2VLImageProcessor
-
-        qwen2_tokenizer(folder)
-        model.save_pretrained(folder)
-        size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}  # pixels: 4 to 64 patches
-        Qwen2VLImageProcessor(size=size).save_pretrained(folder)
-    return model
 
 
 def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
@@ -379,18 +458,20 @@ def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
 def tiny_qwenimage_pipeline(folder) -> str:
     """A tiny Qwen-Image pipeline saved to `folder`: 32 px images; its video VAE's 4 latent
     channels (per-channel mean and std) × 4 × 4, packed into 16 tokens of 16; two MMDiT blocks;
-    a tiny Qwen2.5-VL text encoder with a generated qwen2_tokenizer. Random weights."""
+    the text encoder and tokenizer of tiny_vlm (a 32-wide Qwen2.5-VL). Random weights."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
+    vlm = tiny_vlm(Path(folder) / "vlm", seed=int(torch.randint(2**31, ())))
     QwenImagePipeline(
         transformer=QwenImageTransformer2DModel(
             patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(8, 4, 4),
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 4, 4),
         ),
         scheduler=FlowMatchEulerDiscreteScheduler(
             use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
@@ -401,7 +482,8 @@ def tiny_qwenimage_pipeline(folder) -> str:
             temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
             latents_std=[1.5, 0.8, 1.2, 2.0],
         ),
-        text_encoder=tiny_qwen25vl(), tokenizer=qwen2_tokenizer(Path(folder) / "qwen_tokenizer"),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm),
+        tokenizer=Qwen2Tokenizer.from_pretrained(vlm),
     ).save_pretrained(folder)  # fmt: skip
     return str(folder)
 
@@ -410,7 +492,7 @@ def tiny_flux2_klein_pipeline(folder, distilled: bool = False) -> str:
     """A tiny FLUX.2-klein pipeline saved to `folder` (the base checkpoint's shape; `distilled`
     marks it step-distilled): 32 px images, 4 latent channels patchified to 16 (batch-norm
     statistics per channel) × 8 × 8, packed into 64 tokens; a tiny Qwen3 of 28 layers (the
-    pipeline stacks layers 9, 18 and 27) with a generated qwen2_tokenizer. Random weights."""
+    pipeline stacks layers 9, 18 and 27) with a generated qwen3_tokenizer. Random weights."""
     from diffusers import (
         AutoencoderKLFlux2,
         FlowMatchEulerDiscreteScheduler,
@@ -442,7 +524,7 @@ def tiny_flux2_klein_pipeline(folder, distilled: bool = False) -> str:
             base_image_seq_len=256, max_image_seq_len=4096,
         ),
         vae=vae, text_encoder=Qwen3ForCausalLM(text),
-        tokenizer=qwen2_tokenizer(Path(folder) / "qwen_tokenizer"), is_distilled=distilled,
+        tokenizer=qwen3_tokenizer(Path(folder) / "qwen_tokenizer"), is_distilled=distilled,
     ).save_pretrained(folder)  # fmt: skip
     return str(folder)
 

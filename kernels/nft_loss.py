@@ -64,15 +64,43 @@ Value checks
 Shapes, dtypes, devices and the float arguments are always checked. The values of t_index (in
 [0, T)) are checked only where that costs no synchronisation: for CPU tensors, or on CUDA when
 CHECK_VALUES is True (`kernels.nft_loss.CHECK_VALUES = True`, a debugging switch: each call then
-blocks the host until the GPU has caught up). Without the check, a row whose t_index lies outside
+blocks the host until the GPU has caught up), and never while torch.compile traces or on meta and
+fake tensors, which have no values to read. Without the check, a row whose t_index lies outside
 [0, T) gets a NaN loss and a NaN gradient (W is never read out of bounds), so the loss is NaN.
 t is not checked to lie in (0, 1], nor r in [0, 1].
+
+Tracing, torch.compile and memory plans
+---------------------------------------
+Launches 1-2 and launch 3 are also wrapped as two torch.library custom operators,
+recast::nft_loss_forward (the loss and the (N, 2) coefficients) and recast::nft_loss_backward (the
+gradient), each with a fake implementation: the same Python code with the same allocations (copies
+of inputs that have no (N, D) view, the (N, 5, n_chunks) partial sums, the coefficients, the loss,
+the gradient), minus the launches. A call that is traced rather than run goes through them: under
+torch.compile, under a TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on meta or
+fake tensors. Hence:
+- torch.compile(fullgraph=True) of a step that calls nft_loss has no graph break (Dynamo traces
+  the autograd.Function; the operators are nodes of its forward and backward graphs), with dynamic
+  shapes too, and the compiled loss and gradient equal the eager ones bit for bit;
+- under FakeTensorMode and on meta tensors, forward and backward run the fake implementations:
+  shapes and dtypes, no launch, no value read. Meta tensors take this path even where the kernels
+  cannot run (no GPU, no TRITON_INTERPRET), so a memory plan made on meta tensors counts the
+  kernels' buffers and what the backward keeps (vθ, v_old, x0, ε, v_ref themselves, and the
+  coefficients), not the reference's intermediates. (A tracer that watches the dispatcher, such
+  as MemTracker, sees an operator's outputs, not the temporaries it frees within the call.) On
+  meta, as in the interpreter, rows are chunked as on an 8-SM GPU: the partial sums (at most
+  N × 1.25 KiB) are smaller than on a GPU.
+An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
+host time to a forward + backward (measured on a 2-core CPU). Needs torch >= 2.4
+(torch.library.custom_op). Inductor sees each operator as one opaque call: torch.library.triton_op
+would let it see the launches, but under TRITON_INTERPRET its fake implementation would run the
+interpreter on tensors without data.
 
 Dtypes and layouts
 ------------------
 vθ, v_old, x0, ε, v_ref: fp32, bf16 or fp16, one dtype and device, any shape (N, ...). They are
 viewed as (N, D) with reshape(N, -1), which copies only when no such view exists (e.g. channels-last
-tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous.
+tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous. Such
+copies are made in the forward and again in the backward: the inputs, not the copies, are saved.
 Rows may be strided (e.g. x[::2]): no copy. All arithmetic is fp32. t: (N,) float, t_index: (N,)
 integer, r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32 scalar.
 reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the plain-PyTorch
@@ -90,7 +118,8 @@ Where it was checked
 Checked against reference_nft_loss under TRITON_INTERPRET=1 on CPU (fp32, bf16, fp16; realistic,
 odd and multi-chunk shapes; strided views) and compiled ahead of time for sm_80 and sm_90 with
 triton.compile; on one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the
-ReCAST repository has the timings).
+ReCAST repository has the timings). torch.compile (backends eager and aot_eager), FakeTensorMode
+and meta tensors were checked on CPU (torch 2.13), not yet on a GPU.
 
 Limits
 ------
@@ -103,6 +132,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernels below are interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -118,11 +149,21 @@ _ROWS_TILE = 1024  # (rows × chunks) elements per tile of launch 2
 _NUM_WARPS = 4
 
 
+def _traced(x: torch.Tensor) -> bool:
+    """Whether a call on x is traced rather than run: under torch.compile, under a
+    TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on a tensor without data
+    (meta, fake). A traced call reads no value (under torch.compile a read is a data-dependent
+    guard: a graph break, an error with fullgraph=True; meta and fake tensors have none), so it
+    skips the value checks and gets what CUDA gives without CHECK_VALUES; and it launches through
+    the custom operators below, which tracing sees and runs as fake implementations."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or x.is_meta or is_fake(x)
+
+
 def _check_inputs(
     v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
 ) -> tuple[int, int]:
     """Raise ValueError naming the offending argument; return (N, T). Reads no device value
-    unless the tensors are on the CPU or CHECK_VALUES is set."""
+    unless the call runs on CPU tensors or CHECK_VALUES is set, and is not traced (_traced)."""
     if not isinstance(v_theta, torch.Tensor) or v_theta.ndim < 1 or v_theta.shape[0] == 0:
         raise ValueError("v_theta must be a tensor of shape (N, ...) with N > 0")
     if v_theta.dtype not in _FLOAT_DTYPES:
@@ -154,13 +195,15 @@ def _check_inputs(
             f"W must be a float tensor of shape (K, T), K = {r.shape[1]}, got {W.shape}"
         )
     n_steps = W.shape[1]
-    if not (math.isfinite(beta) and beta > 0):
+    # Comparisons rather than math.isfinite, which torch.compile(dynamic=True) cannot apply to the
+    # symbolic floats it passes; NaN fails every comparison.
+    if not 0 < beta < math.inf:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
-    if not (math.isfinite(adv_clip_max) and adv_clip_max > 0):
+    if not 0 < adv_clip_max < math.inf:
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
-    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+    if not 0 <= kl_coef < math.inf:
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    if device.type == "cpu" or CHECK_VALUES:  # a host-device sync anywhere but on the CPU
+    if (device.type == "cpu" or CHECK_VALUES) and not _traced(t_index):  # CUDA: a sync
         if bool(((t_index < 0) | (t_index >= n_steps)).any()):
             raise ValueError(f"t_index must lie in [0, T) with T = W.shape[1] = {n_steps}")
     return n, n_steps
@@ -404,8 +447,10 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: chunk rows as on a small GPU, so small tests cover chunking
+    if device.type != "cuda" or not torch.cuda.is_available():
+        # The interpreter, meta tensors, fake CUDA tensors without a GPU: chunk rows as on a small
+        # GPU (so small tests cover chunking).
+        return 8
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -460,58 +505,139 @@ def _guard(x: torch.Tensor):
     return torch.cuda.device(x.device.index if x.is_cuda else -1)
 
 
+# Launches 1-2 and launch 3 as torch.library custom operators, each with a fake implementation (the
+# same code and allocations, no launch); _NFTLoss goes through them when the call is traced, and
+# calls their code directly otherwise (see "Tracing, torch.compile and memory plans" above).
+
+
+def _nft_forward_impl(
+    v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, launch
+):
+    """(loss, per-row gradient coefficients): launches 1 and 2, or with launch=False the same
+    allocations only (the fake implementation: tensors without data)."""
+    n, n_rewards = v_theta.shape[0], r.shape[1]
+    rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
+    has_ref = v_ref is not None and kl_coef != 0.0
+    ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
+    d = rows[0].shape[1]
+    f32 = dict(device=v_theta.device, dtype=torch.float32)
+    coefs = torch.empty((n, 2), **f32)
+    loss = torch.empty((), **f32)
+    if not isinstance(n * d, int):  # symbolic sizes (torch.compile's dynamic shapes): no chunking
+        return loss, coefs  # to mirror, and only the fake implementation ever sees them
+    config = _launch_config(n, d, n_rewards, _num_sms(v_theta.device))
+    block_d, chunk_size, n_chunks, block_n, block_c, block_k = config
+    partial = torch.empty((n, _NUM_STATS, n_chunks), **f32)
+    if not launch:
+        return loss, coefs
+    strides = [x.stride(0) for x in (*rows, ref_rows)]
+    with _guard(v_theta):
+        _nft_partial_sums_kernel[(n, n_chunks)](
+            *rows, ref_rows, partial, d, *strides, beta, chunk_size, n_chunks,
+            NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+        _nft_rows_kernel[(1,)](
+            partial, t, t_index, r, W, coefs, loss,
+            n, d, n_rewards, W.shape[1], n_chunks, t.stride(0), t_index.stride(0),
+            r.stride(0), r.stride(1), W.stride(0), W.stride(1),
+            beta, adv_clip_max, kl_coef,
+            NUM_STATS=_NUM_STATS, HAS_REF=has_ref,
+            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=block_k,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return loss, coefs
+
+
+@torch.library.custom_op("recast::nft_loss_forward", mutates_args=())
+def _nft_forward(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    t_index: torch.Tensor,
+    r: torch.Tensor,
+    W: torch.Tensor,
+    beta: float,
+    adv_clip_max: float,
+    v_ref: torch.Tensor | None,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches 1 and 2 on checked inputs: (loss, (N, 2) gradient coefficients)."""
+    return _nft_forward_impl(
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, True
+    )
+
+
+@_nft_forward.register_fake
+def _nft_forward_fake(*args):
+    return _nft_forward_impl(*args, False)
+
+
+def _nft_backward_impl(grad_loss, v_theta, v_old, x0, noise, v_ref, coefs, kl_coef, launch):
+    """∂loss/∂v_theta in v_theta's dtype and shape (contiguous): launch 3, or with launch=False
+    the same allocations only."""
+    n = v_theta.shape[0]
+    rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
+    has_ref = v_ref is not None and kl_coef != 0.0
+    ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
+    d = rows[0].shape[1]
+    grad = torch.empty(v_theta.shape, device=v_theta.device, dtype=v_theta.dtype)
+    if not launch:
+        return grad
+    block_d, chunk_size, n_chunks = _launch_shape(n, d, _num_sms(v_theta.device))
+    strides = [x.stride(0) for x in (*rows, ref_rows)]
+    with _guard(grad):
+        _nft_grad_kernel[(n, n_chunks)](
+            *rows, ref_rows, coefs, grad_loss, grad, n, d, *strides, 2.0 * kl_coef / (n * d),
+            chunk_size, n_chunks, HAS_REF=has_ref, BLOCK_D=block_d,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return grad
+
+
+@torch.library.custom_op("recast::nft_loss_backward", mutates_args=())
+def _nft_backward(
+    grad_loss: torch.Tensor,
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    v_ref: torch.Tensor | None,
+    coefs: torch.Tensor,
+    kl_coef: float,
+) -> torch.Tensor:
+    """Launch 3: grad_loss · ∂loss/∂v_theta from the forward's coefficients."""
+    return _nft_backward_impl(grad_loss, v_theta, v_old, x0, noise, v_ref, coefs, kl_coef, True)
+
+
+@_nft_backward.register_fake
+def _nft_backward_fake(*args):
+    return _nft_backward_impl(*args, False)
+
+
 class _NFTLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl, save):
-        n, n_rewards = v_theta.shape[0], r.shape[1]
-        rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
-        has_ref = v_ref is not None and kl != 0.0
-        ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
-        d = rows[0].shape[1]
-        config = _launch_config(n, d, n_rewards, _num_sms(v_theta.device))
-        block_d, chunk_size, n_chunks, block_n, block_c, block_k = config
-        strides = [x.stride(0) for x in (*rows, ref_rows)]
-        f32 = dict(device=v_theta.device, dtype=torch.float32)
-        partial = torch.empty((n, _NUM_STATS, n_chunks), **f32)
-        coefs = torch.empty((n, 2), **f32)
-        loss = torch.empty((), **f32)
-        with _guard(v_theta):
-            _nft_partial_sums_kernel[(n, n_chunks)](
-                *rows, ref_rows, partial, d, *strides, float(beta), chunk_size, n_chunks,
-                NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-            _nft_rows_kernel[(1,)](
-                partial, t, t_index, r, W, coefs, loss,
-                n, d, n_rewards, W.shape[1], n_chunks, t.stride(0), t_index.stride(0),
-                r.stride(0), r.stride(1), W.stride(0), W.stride(1),
-                float(beta), float(adv_clip), float(kl),
-                NUM_STATS=_NUM_STATS, HAS_REF=has_ref,
-                BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=block_k,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-        if save:
-            ctx.save_for_backward(*rows, ref_rows, coefs)
-            ctx.launch = (v_theta.shape, n, d, strides, 2.0 * kl / (n * d), has_ref)
-            ctx.chunks = (block_d, chunk_size, n_chunks)
+        args = (v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl)
+        if _traced(v_theta):
+            loss, coefs = _nft_forward(*args)
+        else:
+            loss, coefs = _nft_forward_impl(*args, True)
+        ctx.kl_coef = kl if save else None  # None: nothing saved, no backward
+        if save:  # the inputs themselves: the backward makes the (N, D) rows again
+            ctx.save_for_backward(v_theta, v_old, x0, noise, v_ref, coefs)
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        if not hasattr(ctx, "launch"):  # v_theta needs no gradient (another input asked for one)
+        if ctx.kl_coef is None:  # v_theta needs no gradient (another input asked for one)
             return (None,) * 13
-        *rows, ref_rows, coefs = ctx.saved_tensors
-        shape, n, d, strides, coef_ref, has_ref = ctx.launch
-        block_d, chunk_size, n_chunks = ctx.chunks
-        grad = torch.empty((n, d), device=rows[0].device, dtype=rows[0].dtype)
-        with _guard(grad):
-            _nft_grad_kernel[(n, n_chunks)](
-                *rows, ref_rows, coefs, grad_output, grad, n, d, *strides, coef_ref,
-                chunk_size, n_chunks, HAS_REF=has_ref, BLOCK_D=block_d,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-        return (grad.view(shape),) + (None,) * 12
+        args = (grad_output, *ctx.saved_tensors, ctx.kl_coef)
+        grad = _nft_backward(*args) if _traced(grad_output) else _nft_backward_impl(*args, True)
+        return (grad,) + (None,) * 12
 
 
 def nft_loss(
@@ -531,10 +657,13 @@ def nft_loss(
     """Weighted NFT loss of DESIGN §6 (fp32 scalar), differentiable w.r.t. v_theta only.
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
-    reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES).
+    reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES). Meta tensors
+    take the kernels' path without launching them (for memory plans), as do fake tensors where
+    the kernels would run; torch.compile(fullgraph=True) traces it without a graph break.
     """
+    beta, adv_clip_max, kl_coef = float(beta), float(adv_clip_max), float(kl_coef)  # the ops' types
     _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)
-    if not (v_theta.is_cuda or _INTERPRET):
+    if not (v_theta.is_cuda or v_theta.is_meta or _INTERPRET):
         return _reference_loss(
             v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
         )

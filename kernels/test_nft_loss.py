@@ -1,5 +1,5 @@
-"""Tests of kernels/nft_loss.py: the fused kernels against reference_nft_loss, and the reference
-against DESIGN §6 written out.
+"""Tests of kernels/nft_loss.py: the fused kernels against reference_nft_loss, the reference
+against DESIGN §6 written out, and the loss traced (torch.compile, FakeTensorMode, meta tensors).
 
 On CPU (the default) the kernels run in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda they are compiled and run on the GPU; the tolerances
@@ -11,6 +11,8 @@ import re
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import nft_loss as nft
 
@@ -331,3 +333,179 @@ def test_nft_loss_bad_inputs(fn_name, name, breaks, monkeypatch):
     bad = {**inputs, **breaks(inputs)}
     with pytest.raises(ValueError, match=error_names(name)):
         getattr(nft, fn_name)(**bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing: torch.compile, FakeTensorMode and meta tensors (what a memory plan runs)
+# ---------------------------------------------------------------------------------------------
+FORWARD_OP = torch.ops.recast.nft_loss_forward.default
+BACKWARD_OP = torch.ops.recast.nft_loss_backward.default
+ARG_NAMES = ("v_theta", "v_old", "x0", "noise", "t", "t_index", "r", "W")
+
+
+class RecordGraphs:
+    """A torch.compile backend: keeps each graph Dynamo hands it, compiles it with `backend`."""
+
+    def __init__(self, backend: str):
+        self.backend, self.graphs = backend, []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+class RecordOps(TorchDispatchMode):
+    """Records every operator that reaches the dispatcher below autograd, with its outputs' shapes
+    and dtypes (not devices, so that meta and real calls compare)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        shapes = [(tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor)]
+        self.calls.append((func, shapes))
+        return out
+
+    def count(self, op) -> int:
+        return sum(func is op for func, _ in self.calls)
+
+
+def op_nodes(graph: torch.fx.GraphModule, op) -> int:
+    """Calls of op in a graph and its subgraphs (Dynamo puts an autograd.Function's forward and
+    backward in subgraphs)."""
+    modules = [m for m in graph.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(node.target is op for m in modules for node in m.graph.nodes)
+
+
+def no_reference(*args, **kwargs):
+    raise AssertionError("the reference ran instead of the kernels' operators")
+
+
+def forbid_launches(monkeypatch):
+    for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
+        monkeypatch.setattr(nft, name, None)  # a launch would fail: None[grid]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_nft_loss_compiles_without_graph_break(backend):
+    """torch.compile(fullgraph=True) of a step around nft_loss: one graph, with the forward and
+    backward operators in it, and the loss and the gradient (grad_output 2.5 through the compiled
+    backward) equal eager's bit for bit."""
+
+    def step(**inputs):
+        return 2.5 * nft.nft_loss(**inputs, beta=0.7, kl_coef=0.1)
+
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.bfloat16, seed=10)
+    record = RecordGraphs(backend)
+    loss, grad = loss_and_grad(torch.compile(step, backend=record, fullgraph=True), inputs)
+    loss_eager, grad_eager = loss_and_grad(step, inputs)
+    assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+    (graph,) = record.graphs
+    assert op_nodes(graph, FORWARD_OP) == 1 and op_nodes(graph, BACKWARD_OP) == 1
+
+
+def test_nft_loss_compiles_with_dynamic_shapes():
+    """dynamic=True: the second batch size and image size compile nothing new (the fake
+    implementation takes symbolic sizes), and both equal eager."""
+    record = RecordGraphs("aot_eager")
+    compiled = torch.compile(nft.nft_loss, backend=record, fullgraph=True, dynamic=True)
+    graphs = []
+    for n, shape, seed in ((4, (2, 5, 7), 11), (6, (2, 3, 11), 12)):
+        inputs = make_nft_inputs(n, shape, seed=seed)
+        loss, grad = loss_and_grad(compiled, inputs, kl_coef=0.2)
+        loss_eager, grad_eager = loss_and_grad(nft.nft_loss, inputs, kl_coef=0.2)
+        assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+        graphs.append(len(record.graphs))
+    assert graphs[0] == graphs[1] and sum(op_nodes(g, FORWARD_OP) for g in record.graphs) > 0
+
+
+def test_nft_loss_under_fake_tensor_mode(monkeypatch):
+    """FakeTensorMode, forward and backward: the operators' fake implementations give the loss
+    and gradient's shapes and dtypes; no value is read (t_index is out of range), no kernel is
+    launched, the reference does not run."""
+    forbid_launches(monkeypatch)
+    monkeypatch.setattr(nft, "_reference_loss", no_reference)
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.bfloat16, seed=13)
+    inputs["t_index"][0] = 99
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in inputs.items()}
+        with RecordOps() as ops:
+            loss, grad = loss_and_grad(nft.nft_loss, fake, kl_coef=0.1)
+    assert isinstance(loss, FakeTensor) and isinstance(grad, FakeTensor)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert grad.shape == inputs["v_theta"].shape and grad.dtype == torch.bfloat16
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 1
+
+
+def test_nft_loss_on_meta_runs_the_operators(monkeypatch):
+    """A memory plan on meta tensors, in a process without the interpreter (a planner's): the
+    kernels' operators run, not the reference, in the forward and in the backward, and launch
+    nothing (also without a dispatch mode watching)."""
+    monkeypatch.setattr(nft, "_INTERPRET", False)
+    monkeypatch.setattr(nft, "_reference_loss", no_reference)
+    forbid_launches(monkeypatch)
+    inputs = {k: v.to("meta") for k, v in make_nft_inputs(5, (3, 7, 9), seed=14).items()}
+    loss_and_grad(nft.nft_loss, inputs, kl_coef=0.1)
+    with RecordOps() as ops:
+        loss, grad = loss_and_grad(nft.nft_loss, inputs, kl_coef=0.1)
+    assert loss.is_meta and loss.shape == () and grad.shape == (5, 3, 7, 9)
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 1
+    with torch.no_grad():  # a plan of an evaluation: the forward alone
+        with RecordOps() as ops:
+            nft.nft_loss(**inputs)
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 0
+
+
+def test_nft_loss_operator_equals_eager():
+    """An eager call launches without the operators (their dispatch costs host time); under a
+    TorchDispatchMode (here on real tensors, as a memory tracer would watch a GPU run) the call
+    goes through them. Both give the same loss and gradient, bit for bit."""
+    inputs = make_nft_inputs(6, (3, 5, 11), torch.float16, seed=16)
+    with RecordOps() as ops:
+        loss, grad = loss_and_grad(nft.nft_loss, inputs, beta=1.3, kl_coef=0.3)
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 1
+    loss_eager, grad_eager = loss_and_grad(nft.nft_loss, inputs, beta=1.3, kl_coef=0.3)
+    assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+
+
+class SkipLaunch:
+    """Stands in for a @triton.jit kernel: launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_nft_loss_fake_implementations_allocate_what_the_kernels_do(monkeypatch):
+    """The operators' fake implementations (here on meta) make the same tensors, in the same
+    order, as their real implementations, the kernels' launches aside (the interpreter makes
+    tensors of its own): the buffers of launches 1-3 and the copies of inputs that have no (N, D)
+    view (channels-last)."""
+    for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
+        monkeypatch.setattr(nft, name, SkipLaunch())
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.float16, seed=15)
+    inputs["v_old"] = inputs["v_old"].contiguous(memory_format=torch.channels_last)
+    implementations = {
+        "cpu": (lambda *a: nft._nft_forward_impl(*a, True), nft._nft_backward_impl),
+        "meta": (nft._nft_forward_fake, nft._nft_backward_fake),
+    }
+    calls = {}
+    for device, (forward, backward) in implementations.items():
+        on = {k: v.to(device) for k, v in inputs.items()}
+        big = [on[k] for k in ARG_NAMES]
+        with RecordOps() as ops:
+            loss, coefs = forward(*big, 0.7, 5.0, on["v_ref"], 0.1)
+            args = (loss, *big[:4], on["v_ref"], coefs, 0.1)
+            grad = backward(*args, True) if device == "cpu" else backward(*args)
+        assert grad.shape == (5, 3, 7, 9) and grad.dtype == torch.float16
+        calls[device] = ops.calls
+    assert calls["cpu"] == calls["meta"]
+    made = [(func, shapes[0]) for func, shapes in calls["cpu"]]
+    copy = (torch.ops.aten.clone.default, ((5, 3, 7, 9), torch.float16))  # v_old's (N, D) rows
+    empty = torch.ops.aten.empty.memory_format
+    buffers = [(empty, ((5, 2), torch.float32)), (empty, ((), torch.float32))]  # coefs, loss
+    buffers += [(empty, ((5, nft._NUM_STATS, 1), torch.float32))]  # launch 1's partial sums
+    assert made.count(copy) == 2 and all(buffer in made for buffer in buffers)
+    assert made.count((empty, ((5, 3, 7, 9), torch.float16))) == 1  # the gradient
