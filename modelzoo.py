@@ -10,7 +10,11 @@
   CLIP's 77 tokens with them.
 - `tiny_sd3_pipeline`: the tiny SD3 pipeline (T5 left out) that the tests train.
 - `tiny_vlm`: a tiny random Qwen2.5-VL saved as a local model folder (weights, a generated
-  byte-level tokenizer with the chat template, the image processor), for the VLM judge's tests.
+  byte-level tokenizer with the chat template, the image processor), for the VLM judge's tests
+  and Qwen-Image's text encoder.
+- `tiny_flux_pipeline`, `tiny_flux2_klein_pipeline` (with `qwen3_tokenizer`, Qwen3's chat
+  template), `tiny_qwenimage_pipeline`: a tiny pipeline of each other diffusers family, saved to a
+  folder (the family parts' `tiny()`); `tiny_reward_models`: tiny CLIP rewards and aesthetic head.
 
 A leaf: imports torch, diffusers and transformers only (lazily), never the training script.
 """
@@ -368,3 +372,190 @@ def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     tokenizer.save_pretrained(folder)
     image_processor.save_pretrained(folder)
     return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny pipelines of the other diffusers families, and the Qwen3 tokenizer FLUX.2-klein uses
+# ---------------------------------------------------------------------------------------------
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>",
+                "</think>"]  # fmt: skip
+# Qwen3's chat format: ChatML; with add_generation_prompt and enable_thinking=False an empty
+# think block follows, as Qwen3's own template writes it (FLUX.2-klein encodes prompts so)
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
+)
+
+
+def qwen3_tokenizer(folder):
+    """A byte-level BPE tokenizer in Qwen2's format, as Qwen3 uses it: one token per byte, no
+    merges, Qwen's special tokens after the 256 bytes, and Qwen3's chat template (thinking can
+    be switched off); saved to `folder` and loaded from it."""
+    from transformers import Qwen2Tokenizer
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
+    others = [b for b in range(256) if b not in printable]
+    chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
+    vocab = {c: i for i, c in enumerate(chars)} | {s: 256 + i for i, s in enumerate(QWEN_SPECIAL)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:]})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return Qwen2Tokenizer.from_pretrained(folder)
+
+
+QWEN_VOCAB = 256 + len(QWEN_SPECIAL)
+
+
+def tiny_flux_pipeline(folder, guidance_embeds: bool) -> str:
+    """A tiny FLUX.1 pipeline saved to `folder`: -dev's shape with `guidance_embeds` (and its
+    resolution-dependent shift), -schnell's without (a static shift of 1). 32 px images, 4 × 16 ×
+    16 latents packed into 64 tokens of 16, one double- and one single-stream block, a tiny CLIP
+    (pooled) and a tiny T5. Random weights from the global RNG."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tok5 = t5_tokenizer(Path(folder) / "t5_tokenizer")
+    shift = dict(shift=1.0)  # -schnell: unshifted; -dev: shifted by resolution
+    if guidance_embeds:
+        shift = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                     base_image_seq_len=256, max_image_seq_len=4096, shift=3.0)  # fmt: skip
+    FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+            guidance_embeds=guidance_embeds, axes_dims_rope=(4, 4, 8),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**shift),
+        vae=AutoencoderKL(
+            down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
+            sample_size=32, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+            use_post_quant_conv=False,
+        ),
+        text_encoder=CLIPTextModel(CLIPTextConfig(**TINY_TEXT)),
+        tokenizer=clip_tokenizer(Path(folder) / "clip_tokenizer"),
+        text_encoder_2=T5EncoderModel(T5Config(
+            vocab_size=len(tok5), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        tokenizer_2=tok5,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def tiny_qwenimage_pipeline(folder) -> str:
+    """A tiny Qwen-Image pipeline saved to `folder`: 32 px images; its video VAE's 4 latent
+    channels (per-channel mean and std) × 4 × 4, packed into 16 tokens of 16; two MMDiT blocks;
+    the text encoder and tokenizer of tiny_vlm (a 32-wide Qwen2.5-VL). Random weights."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    vlm = tiny_vlm(Path(folder) / "vlm", seed=int(torch.randint(2**31, ())))
+    QwenImagePipeline(
+        transformer=QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 4, 4),
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+            max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+        ),
+        vae=AutoencoderKLQwenImage(
+            base_dim=8, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+            temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 2.0],
+        ),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(vlm),
+        tokenizer=Qwen2Tokenizer.from_pretrained(vlm),
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def tiny_flux2_klein_pipeline(folder, distilled: bool = False) -> str:
+    """A tiny FLUX.2-klein pipeline saved to `folder` (the base checkpoint's shape; `distilled`
+    marks it step-distilled): 32 px images, 4 latent channels patchified to 16 (batch-norm
+    statistics per channel) × 8 × 8, packed into 64 tokens; a tiny Qwen3 of 28 layers (the
+    pipeline stacks layers 9, 18 and 27) with a generated qwen3_tokenizer. Random weights."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vae = AutoencoderKLFlux2(
+        down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        block_out_channels=[8, 16], layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+    )  # fmt: skip
+    with torch.no_grad():  # per-channel statistics that are not 0 and 1, so that they matter
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 16))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 16))
+    text = Qwen3Config(vocab_size=QWEN_VOCAB, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=28, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=8, max_position_embeddings=1024, bos_token_id=256,
+                       eos_token_id=258)  # fmt: skip
+    Flux2KleinPipeline(
+        transformer=Flux2Transformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, shift=3.0, base_shift=0.5, max_shift=1.15,
+            base_image_seq_len=256, max_image_seq_len=4096,
+        ),
+        vae=vae, text_encoder=Qwen3ForCausalLM(text),
+        tokenizer=qwen3_tokenizer(Path(folder) / "qwen_tokenizer"), is_distilled=distilled,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def tiny_reward_models(root) -> dict[str, str]:
+    """A tiny random CLIP (with a clip_tokenizer processor, 32 px images) and a tiny LAION-style
+    aesthetic head saved under `root`; returns the environment variables that point every CLIP
+    reward of rewards.py at them. Random weights from the global RNG."""
+    from safetensors.torch import save_file
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    root = Path(root)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = CLIPConfig(
+        text_config=TINY_TEXT,
+        vision_config=dict(vision, image_size=32, patch_size=8),
+        projection_dim=8,
+    )
+    CLIPModel(config).save_pretrained(root / "clip")
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer(root / "tok"))
+    processor.save_pretrained(root / "clip")
+    widths = [8, 6, 5, 4, 3, 1]  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
+    head = {}
+    for layer, i, o in zip([0, 2, 4, 6, 7], widths, widths[1:], strict=False):
+        head[f"layers.{layer}.weight"] = torch.randn(o, i)
+        head[f"layers.{layer}.bias"] = torch.randn(o)
+    save_file(head, root / "head.safetensors")
+    torch.save(head, root / "head.pth")
+    clip = str(root / "clip")
+    return {
+        "RECAST_PICKSCORE": clip, "RECAST_PICKSCORE_PROCESSOR": clip, "RECAST_CLIPSCORE": clip,
+        "RECAST_AESTHETIC": clip, "RECAST_AESTHETIC_HEAD": str(root / "head.safetensors"),
+    }  # fmt: skip

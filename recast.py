@@ -58,14 +58,15 @@ class Args:
     rewards: str = ",".join(toyworld.ToyWorld.reward_names)
     """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
     model: str = "toy"
-    """'toy' (the tiny model shipped in toy_model/) or an SD3/SD3.5 folder or hub id"""
+    """'toy' (the tiny model shipped in toy_model/) or a diffusers pipeline's folder or hub id
+    (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
     prompts_file: str = ""
     """training prompts, one per line (needed with --model other than toy)"""
     eval_prompts_file: str = ""
     """held-out prompts, one per line (default for --model: the last 10%% of --prompts-file)"""
     judges: str = ""
     """held-out judges: reward names scored at eval, never trained on (default: the world's own,
-    shape,iou in the toy world, none for SD3)"""
+    shape,iou in the toy world, none for a diffusers model)"""
     # --- ReCAST ---
     weighting: str = "recast"
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
@@ -89,12 +90,12 @@ class Args:
     """epochs between gain updates; step predictions are only scored then"""
     gain_frac: float = 1.0
     """fraction of prompt groups whose step predictions are scored for the gains (toy world: all;
-    with an SD3 --model the default scores 4 groups an epoch, min(1, 4/--prompts): the scoring
+    with a diffusers --model the default scores 4 groups an epoch, min(1, 4/--prompts): the scoring
     study, docs/results.md)"""
     score_precision: str = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
     bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32 (with
-    an SD3 --model the default is bf16)"""
+    a diffusers --model the default is bf16)"""
     # --- rollout ---
     epochs: int = 20
     """training epochs (rollout + update)"""
@@ -127,7 +128,7 @@ class Args:
     """old policy EMA: d = min(decay_rate · optimizer steps, decay_cap)"""
     decay_cap: float = 0.5
     """cap of the old-policy decay d"""
-    # --- SD3 / SD3.5 only ---
+    # --- diffusers models only ---
     resolution: int = 512
     """image side in pixels"""
     lora_rank: int = 32
@@ -136,6 +137,9 @@ class Args:
     """LoRA alpha"""
     grad_checkpointing: bool = False
     """trade compute for memory in the transformer"""
+    guidance: float = 0.0
+    """the guidance-embedding input of a guidance-distilled transformer (FLUX.1-dev: 3.5, its
+    model card's value); 0: the family has none"""
     # --- run ---
     seed: int = 0
     """seed of prompts, noise and shuffles (eval noise is fixed whatever the seed)"""
@@ -288,7 +292,8 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
                      (run.rank + 1) * len(batch) // run.world_size)  # fmt: skip
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
         t, eps = run.sigmas[i], eps[mine].to(device)
-        x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
+        tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout: images or packed tokens
+        x_t = (1 - tt) * x0[n] + tt * eps
         c = tuple(cc[n // G] for cc in cond)
         v_theta = world.v("policy", x_t, c, t)
         with torch.no_grad():
@@ -441,7 +446,7 @@ class Run:
     lam: torch.Tensor  # (K,) float64, sums to 1
     rank: int
     world_size: int
-    world: object  # toyworld.ToyWorld or sd3world.SD3World
+    world: object  # toyworld.ToyWorld or diffusersworld.DiffusersWorld
     reward_fns: dict  # the trained rewards
     scorers: dict  # the trained rewards and the held-out judges
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
@@ -609,19 +614,23 @@ def is_toy_model(path: str) -> bool:
     return has("config.json") and not has("model_index.json")
 
 
-def is_sd3(model: str) -> bool:
-    """--model names an SD3/SD3.5 pipeline (a folder or a hub id), not a toy-world model."""
+def is_diffusers(model: str) -> bool:
+    """--model names a diffusers pipeline (a folder or a hub id), not a toy-world model."""
     return model != "toy" and not is_toy_model(model)
 
 
 def load_world(args: Args, device: torch.device):
-    """The world: models, prompts, latent shape, sampler schedule (toyworld.py or sd3world.py)."""
-    if not is_sd3(args.model):
+    """The world: models, prompts, latent shape, sampler schedule (toyworld.py, or
+    diffusersworld.py with the family part that families.py picks)."""
+    if not is_diffusers(args.model):
         return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    import sd3world
+    import diffusersworld
+    import families
 
     try:
-        return sd3world.SD3World(args, device)
+        return families.load(args, device)
+    except diffusersworld.BadInput as e:
+        cli.fail(e.flag, str(e))
     except (OSError, ValueError) as e:
         cli.fail("--model", f"could not load {args.model!r}: {e}")
 
@@ -636,14 +645,14 @@ def expand_names(flag: str, text: str, known: list[str], allow_none: bool = Fals
 
 
 def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
-    """SD3's defaults for scoring step predictions (sd3world.scoring_defaults) on a new run that
-    scores them, for the flags not given; the toy world scores every group in fp32 (2 % of its
-    epoch) and --profile every group (that is all it does). Returns what it set."""
-    if not is_sd3(args.model) or args.weighting in ("uniform", "sum"):
+    """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
+    on a new run that scores them, for the flags not given; the toy world scores every group in
+    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set."""
+    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
         return {}
-    import sd3world
+    import diffusersworld
 
-    values = sd3world.scoring_defaults(args.prompts)
+    values = diffusersworld.scoring_defaults(args.prompts)
     if args.profile:
         values.pop("gain_frac")
     return cli.fill_defaults(args, argv, values)
@@ -664,12 +673,12 @@ def setup(argv: list[str] | None) -> Run:
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
     if chosen and rank0:
-        import sd3world
+        import diffusersworld
 
         said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
                         f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
-        print(f"note: SD3 scoring defaults: {said} (step predictions of {sd3world.SCORED_GROUPS} "
-              "prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
+        print(f"note: scoring defaults: {said} (step predictions of {diffusersworld.SCORED_GROUPS}"
+              " prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
     ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
     if ignored and rank0:
         print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
@@ -688,12 +697,12 @@ def setup(argv: list[str] | None) -> Run:
     if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
         cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
                  "'org/name'")  # fmt: skip
-    if is_sd3(args.model):
-        import sd3world
+    if is_diffusers(args.model):
+        import diffusersworld
 
         try:
-            sd3world.check(args, names, judges)  # --rewards, --judges, --prompts-file
-        except sd3world.BadInput as e:
+            diffusersworld.check(args, names, judges)  # --rewards, --judges, --prompts-file
+        except diffusersworld.BadInput as e:
             cli.fail(e.flag, str(e))
     if args.resume and not args.profile and rank0:
         checkpoint.lock_run(args.out)  # another live run in this folder: exit 2, at once

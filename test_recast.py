@@ -24,7 +24,7 @@ import torch
 import modelzoo
 import rewards
 import toyworld as tw
-from modelzoo import TINY_TEXT, clip_tokenizer
+from modelzoo import clip_tokenizer
 from plots import centroid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -872,33 +872,9 @@ def sd3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reward_env(tmp_path_factory):
     """Env vars pointing every CLIP reward at a tiny random CLIP, and a tiny aesthetic head."""
-    from safetensors.torch import save_file
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
     root = tmp_path_factory.mktemp("rewards")
     torch.manual_seed(1)
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    config = CLIPConfig(
-        text_config=TINY_TEXT,
-        vision_config=dict(vision, image_size=32, patch_size=8),
-        projection_dim=8,
-    )
-    CLIPModel(config).save_pretrained(root / "clip")
-    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    processor = CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer(root / "tok"))
-    processor.save_pretrained(root / "clip")
-    widths = [8, 6, 5, 4, 3, 1]  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
-    head = {}
-    for layer, i, o in zip([0, 2, 4, 6, 7], widths, widths[1:], strict=False):
-        head[f"layers.{layer}.weight"] = torch.randn(o, i)
-        head[f"layers.{layer}.bias"] = torch.randn(o)
-    save_file(head, root / "head.safetensors")
-    torch.save(head, root / "head.pth")
-    clip = str(root / "clip")
-    return {
-        "RECAST_PICKSCORE": clip, "RECAST_PICKSCORE_PROCESSOR": clip, "RECAST_CLIPSCORE": clip,
-        "RECAST_AESTHETIC": clip, "RECAST_AESTHETIC_HEAD": str(root / "head.safetensors"),
-    }  # fmt: skip
+    return modelzoo.tiny_reward_models(root)
 
 
 @pytest.fixture

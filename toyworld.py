@@ -226,7 +226,7 @@ def load_base(path: str = MODEL_DIR, dtype: torch.dtype = torch.float32):
 
 
 class ToyWorld:
-    """What recast.py needs of a world; sd3world.SD3World has the same shape.
+    """What recast.py needs of a world; diffusersworld.DiffusersWorld has the same shape.
 
     Full fine-tuning: the trained policy θ, the old (sampling) policy θ_old and the frozen
     reference are three copies of the 2.3 M-parameter transformer.

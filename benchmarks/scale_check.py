@@ -386,7 +386,7 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
     vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
-    text = cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
+    text = cf["text"] if "text" in cf else cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
     import cli
 
     scored_groups = cli.scored_groups(r["gain_frac"], P, 1)
@@ -1158,6 +1158,143 @@ def print_cost_model() -> None:
         print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
               f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
+    print_family_costs(c, cf, r512, r1024)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model families: each family's transformer, VAE and text encoders at their real sizes
+# ---------------------------------------------------------------------------------------------
+FAMILY_NAMES = ("SD3.5-Medium", "FLUX.1-dev", "FLUX.1-schnell", "FLUX.2-klein 4B", "Qwen-Image")
+
+
+def family_models(c: dict, family: str) -> dict:
+    """{"transformer", "vae", "text": [(encoder, tokens per prompt)]} of a family other than
+    SD3.5, built on the current device (meta for a count) from benchmarks/configs."""
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLFlux2,
+        AutoencoderKLQwenImage,
+        Flux2Transformer2DModel,
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import (
+        CLIPTextModel,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        T5EncoderModel,
+    )
+
+    if family.startswith("FLUX.1"):
+        cfg = {**c["flux1_transformer"], "guidance_embeds": family == "FLUX.1-dev"}
+        texts = [(CLIPTextModel(clip_text_config(c["clip_l_text"])), 77),
+                 (T5EncoderModel(t5_config(c["t5xxl_encoder"])), 512)]  # fmt: skip
+        return {"transformer": FluxTransformer2DModel(**cfg),
+                "vae": AutoencoderKL(**c["flux1_vae"]), "text": texts}  # fmt: skip
+    if family == "FLUX.2-klein 4B":
+        qwen3 = Qwen3ForCausalLM(Qwen3Config(**c["qwen3_4b_text"]))
+        return {"transformer": Flux2Transformer2DModel(**c["flux2klein4b_transformer"]),
+                "vae": AutoencoderKLFlux2(**c["flux2_vae"]), "text": [(qwen3, 512)]}  # fmt: skip
+    qwen25 = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c["qwen25vl7b"]))
+    qwen = QwenImageTransformer2DModel(**c["qwenimage_transformer"])
+    return {"transformer": qwen, "vae": AutoencoderKLQwenImage(**c["qwenimage_vae"]),
+            "text": [(qwen25, 111)]}  # fmt: skip
+
+
+def family_flops(c: dict, cf: dict, family: str, resolutions) -> dict:
+    """SD3.5's component FLOPs `cf` (the reward models are every family's) with the family's
+    transformer (forward; backward with frozen weights), VAE decode and text encoders ("text",
+    per prompt) in place of SD3.5's, counted on meta-device models."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if family == "SD3.5-Medium":
+        return cf
+
+    def count(fn) -> float:
+        with FlopCounterMode(display=False) as fc:
+            fn()
+        return float(fc.get_total_flops())
+
+    meta = torch.device("meta")
+    with meta:
+        m = family_models(c, family)
+    tr, vae = m["transformer"].requires_grad_(False), m["vae"]
+    out = dict(cf)
+    with torch.no_grad():
+        out["text"] = sum(
+            count(lambda e=e, n=n: e(input_ids=torch.zeros(1, n, dtype=torch.long, device=meta)))
+            for e, n in m["text"]
+        )
+    tokens = m["text"][-1][1] - (34 if family == "Qwen-Image" else 0)  # its template dropped
+    cfg = tr.config
+    for res in resolutions:
+        side = res // 8  # every family's VAE downsamples 8x
+        L = (side // 2) ** 2  # 2×2 patches, packed
+        x = torch.zeros(1, L, cfg.in_channels, device=meta, requires_grad=True)
+        kw = dict(hidden_states=x, timestep=torch.ones(1, device=meta), return_dict=False,
+                  encoder_hidden_states=torch.zeros(1, tokens, cfg.joint_attention_dim,
+                                                    device=meta))  # fmt: skip
+        if family.startswith("FLUX.1"):
+            guidance = torch.ones(1, device=meta) if cfg.guidance_embeds else None
+            kw.update(pooled_projections=torch.zeros(1, cfg.pooled_projection_dim, device=meta),
+                      img_ids=torch.zeros(L, 3, device=meta), guidance=guidance,
+                      txt_ids=torch.zeros(tokens, 3, device=meta))  # fmt: skip
+        elif family == "FLUX.2-klein 4B":
+            kw.update(img_ids=torch.zeros(1, L, 4, dtype=torch.long, device=meta),
+                      txt_ids=torch.zeros(1, tokens, 4, dtype=torch.long, device=meta))  # fmt: skip
+        else:
+            kw.update(img_shapes=[[(1, side // 2, side // 2)]])
+        with FlopCounterMode(display=False) as fc:
+            v = tr(**kw)[0]
+        out[f"transformer_fwd@{res}"] = float(fc.get_total_flops())
+        out[f"transformer_bwd@{res}"] = count(lambda v=v: v.sum().backward())
+        shape = {"FLUX.2-klein 4B": (1, 32, side, side), "Qwen-Image": (1, 16, 1, side, side)}
+        z = torch.zeros(*shape.get(family, (1, 16, side, side)), device=meta)
+        with torch.no_grad():
+            out[f"vae_decode@{res}"] = count(lambda z=z: vae.decode(z, return_dict=False))
+    return out
+
+
+def family_params(c: dict, family: str) -> dict:
+    """Parameter counts (B) of a family's transformer and text encoders, on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        if family == "SD3.5-Medium":
+            m = sd35m_models(c)
+            texts = [m[k] for k in ("clip_l_text", "clip_g_text", "t5xxl_encoder")]
+            return {"transformer": n_params(m["transformer"]) / 1e9,
+                    "text": sum(n_params(t) for t in texts) / 1e9}  # fmt: skip
+        m = family_models(c, family)
+    return {"transformer": n_params(m["transformer"]) / 1e9,
+            "text": sum(n_params(e) for e, _ in m["text"]) / 1e9}  # fmt: skip
+
+
+def print_family_costs(c: dict, cf: dict, r512: dict, r1024: dict) -> None:
+    """Each family's modelled epoch of the one-GPU command (docs/models.md) at 512 and 1024 px,
+    and ReCAST's share of it: with the scoring defaults, and with full fp32 scoring at 512 px."""
+    peaks = peak_rates("H100/H200 SXM")
+    full = {"gain_frac": 1.0, "gain_every": 1, "score_precision": "fp32"}
+    print(f"model families: one epoch of the one-GPU command ({r512['prompts']} prompts × "
+          f"{r512['group_size']}, T = {r512['steps']}, no eval; 1024 px with "
+          "--grad-checkpointing), seconds at the H100/H200 data-sheet peaks, and ReCAST's share "
+          "of them (defaults; full: --gain-frac 1 --score-precision fp32):")  # fmt: skip
+    print(f"  {'family':<16} {'transformer':>11} {'text enc.':>9} {'fwd@512':>8} {'epoch@512':>9}"
+          f" {'ReCAST':>7} {'full':>6} {'epoch@1024':>10} {'ReCAST':>7}")  # fmt: skip
+    print(f"  {'':<16} {'B params':>11} {'B params':>9} {'TFLOP':>8} {'s':>9} {'share':>7} "
+          f"{'share':>6} {'s':>10} {'share':>7}")  # fmt: skip
+    for family in FAMILY_NAMES:
+        f, p = family_flops(c, cf, family, (512, 1024)), family_params(c, family)
+        secs = [modelled_seconds(phase_flops(f, {**r, "eval": False}, amortised=True), peaks)
+                for r in (r512, {**r512, **full}, r1024)]  # fmt: skip
+        epoch = [sum(s.values()) for s in secs]
+        share = [s["recast"] / e for s, e in zip(secs, epoch, strict=True)]
+        print(f"  {family:<16} {p['transformer']:>11.2f} {p['text']:>9.2f} "
+              f"{f['transformer_fwd@512'] / 1e12:>8.2f} {epoch[0]:>9.1f} {share[0]:>7.1%} "
+              f"{share[1]:>6.1%} {epoch[2]:>10.1f} {share[2]:>7.1%}")  # fmt: skip
 
 
 def config_params(c: dict) -> dict:
