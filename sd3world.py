@@ -100,9 +100,11 @@ class SD3World:
     reward_names = rewards.PRESETS["paper1"]
     judge_names = ()  # held-out judges are reward models too: none is scored by default
 
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, pipe=None):
         """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
-        lora_rank, lora_alpha, grad_checkpointing are read)."""
+        lora_rank, lora_alpha, grad_checkpointing are read). `pipe`: a StableDiffusion3Pipeline
+        already built (benchmarks/memory_plan.py builds one on the meta device), used instead of
+        loading --model."""
         from diffusers import StableDiffusion3Pipeline
         from peft import LoraConfig
 
@@ -110,12 +112,12 @@ class SD3World:
         self.train_prompts, self.eval_prompts = split_prompts(
             args.prompts_file, args.eval_prompts_file
         )
-        # components saved as null (e.g. T5 left out) must be passed as None explicitly
-        source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
-        index = StableDiffusion3Pipeline.load_config(source)
-        absent = {k: None for k, v in index.items() if v == [None, None]}
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        pipe = StableDiffusion3Pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
+        if pipe is None:  # components saved as null (e.g. T5 left out) are passed as None
+            source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
+            index = StableDiffusion3Pipeline.load_config(source)
+            absent = {k: None for k, v in index.items() if v == [None, None]}
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            pipe = StableDiffusion3Pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
         if pipe.scheduler.config.get("use_dynamic_shifting", False):
             raise ValueError(
                 "its scheduler shifts by resolution (use_dynamic_shifting): unsupported"
