@@ -103,6 +103,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernels below are interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -118,11 +119,19 @@ _ROWS_TILE = 1024  # (rows × chunks) elements per tile of launch 2
 _NUM_WARPS = 4
 
 
+def _values_readable(x: torch.Tensor) -> bool:
+    """Whether the host can read x's values now. Not while torch.compile traces (reading one is a
+    data-dependent guard: a graph break, or an error under fullgraph=True), and not for a meta or
+    fake tensor (FakeTensorMode, a memory plan): they have no values. Such calls skip the value
+    checks and get what CUDA gives without CHECK_VALUES; shapes and dtypes are still checked."""
+    return not (torch.compiler.is_compiling() or x.is_meta or is_fake(x))
+
+
 def _check_inputs(
     v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
 ) -> tuple[int, int]:
     """Raise ValueError naming the offending argument; return (N, T). Reads no device value
-    unless the tensors are on the CPU or CHECK_VALUES is set."""
+    unless the tensors are real and on the CPU, or CHECK_VALUES is set (see _values_readable)."""
     if not isinstance(v_theta, torch.Tensor) or v_theta.ndim < 1 or v_theta.shape[0] == 0:
         raise ValueError("v_theta must be a tensor of shape (N, ...) with N > 0")
     if v_theta.dtype not in _FLOAT_DTYPES:
@@ -154,13 +163,15 @@ def _check_inputs(
             f"W must be a float tensor of shape (K, T), K = {r.shape[1]}, got {W.shape}"
         )
     n_steps = W.shape[1]
-    if not (math.isfinite(beta) and beta > 0):
+    # Comparisons rather than math.isfinite, which torch.compile(dynamic=True) cannot apply to the
+    # symbolic floats it passes; NaN fails every comparison.
+    if not 0 < beta < math.inf:
         raise ValueError(f"beta must be finite and > 0, got {beta}")
-    if not (math.isfinite(adv_clip_max) and adv_clip_max > 0):
+    if not 0 < adv_clip_max < math.inf:
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
-    if not (math.isfinite(kl_coef) and kl_coef >= 0):
+    if not 0 <= kl_coef < math.inf:
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    if device.type == "cpu" or CHECK_VALUES:  # a host-device sync anywhere but on the CPU
+    if (device.type == "cpu" or CHECK_VALUES) and _values_readable(t_index):  # else a sync
         if bool(((t_index < 0) | (t_index >= n_steps)).any()):
             raise ValueError(f"t_index must lie in [0, T) with T = W.shape[1] = {n_steps}")
     return n, n_steps
@@ -404,8 +415,10 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: chunk rows as on a small GPU, so small tests cover chunking
+    if device.type != "cuda" or not torch.cuda.is_available():
+        # The interpreter, meta tensors, fake CUDA tensors without a GPU: chunk rows as on a small
+        # GPU (so small tests cover chunking).
+        return 8
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
@@ -460,58 +473,140 @@ def _guard(x: torch.Tensor):
     return torch.cuda.device(x.device.index if x.is_cuda else -1)
 
 
-class _NFTLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl, save):
-        n, n_rewards = v_theta.shape[0], r.shape[1]
-        rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
-        has_ref = v_ref is not None and kl != 0.0
-        ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
-        d = rows[0].shape[1]
-        config = _launch_config(n, d, n_rewards, _num_sms(v_theta.device))
-        block_d, chunk_size, n_chunks, block_n, block_c, block_k = config
-        strides = [x.stride(0) for x in (*rows, ref_rows)]
-        f32 = dict(device=v_theta.device, dtype=torch.float32)
-        partial = torch.empty((n, _NUM_STATS, n_chunks), **f32)
-        coefs = torch.empty((n, 2), **f32)
-        loss = torch.empty((), **f32)
-        with _guard(v_theta):
-            _nft_partial_sums_kernel[(n, n_chunks)](
-                *rows, ref_rows, partial, d, *strides, float(beta), chunk_size, n_chunks,
-                NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-            _nft_rows_kernel[(1,)](
-                partial, t, t_index, r, W, coefs, loss,
-                n, d, n_rewards, W.shape[1], n_chunks, t.stride(0), t_index.stride(0),
-                r.stride(0), r.stride(1), W.stride(0), W.stride(1),
-                float(beta), float(adv_clip), float(kl),
-                NUM_STATS=_NUM_STATS, HAS_REF=has_ref,
-                BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=block_k,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-        if save:
-            ctx.save_for_backward(*rows, ref_rows, coefs)
-            ctx.launch = (v_theta.shape, n, d, strides, 2.0 * kl / (n * d), has_ref)
-            ctx.chunks = (block_d, chunk_size, n_chunks)
-        return loss
+# The launches run inside two torch.library custom operators, each with a fake implementation, and
+# the backward is the forward's autograd formula. torch.compile keeps the operators as single nodes
+# of its graph (no graph break), and meta tensors, FakeTensorMode and the tracing of torch.compile
+# run the fake implementations: the same code with the same allocations, and no launch. A memory
+# plan made on meta tensors thus counts the kernels' buffers. (torch.library.triton_op would let
+# Inductor see into the launches, but under TRITON_INTERPRET its fake implementation runs the
+# interpreter on tensors that hold no data.)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        if not hasattr(ctx, "launch"):  # v_theta needs no gradient (another input asked for one)
-            return (None,) * 13
-        *rows, ref_rows, coefs = ctx.saved_tensors
-        shape, n, d, strides, coef_ref, has_ref = ctx.launch
-        block_d, chunk_size, n_chunks = ctx.chunks
-        grad = torch.empty((n, d), device=rows[0].device, dtype=rows[0].dtype)
-        with _guard(grad):
-            _nft_grad_kernel[(n, n_chunks)](
-                *rows, ref_rows, coefs, grad_output, grad, n, d, *strides, coef_ref,
-                chunk_size, n_chunks, HAS_REF=has_ref, BLOCK_D=block_d,
-                num_warps=_NUM_WARPS, enable_fp_fusion=True,
-            )  # fmt: skip
-        return (grad.view(shape),) + (None,) * 12
+
+def _nft_forward_impl(
+    v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, launch
+):
+    """(loss, per-row gradient coefficients): launches 1 and 2, or with launch=False the same
+    allocations only (the fake implementation: tensors without data)."""
+    n, n_rewards = v_theta.shape[0], r.shape[1]
+    rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
+    has_ref = v_ref is not None and kl_coef != 0.0
+    ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
+    d = rows[0].shape[1]
+    f32 = dict(device=v_theta.device, dtype=torch.float32)
+    coefs = torch.empty((n, 2), **f32)
+    loss = torch.empty((), **f32)
+    if not isinstance(n * d, int):  # symbolic sizes (torch.compile's dynamic shapes): no chunking
+        return loss, coefs  # to mirror, and only the fake implementation ever sees them
+    config = _launch_config(n, d, n_rewards, _num_sms(v_theta.device))
+    block_d, chunk_size, n_chunks, block_n, block_c, block_k = config
+    partial = torch.empty((n, _NUM_STATS, n_chunks), **f32)
+    if not launch:
+        return loss, coefs
+    strides = [x.stride(0) for x in (*rows, ref_rows)]
+    with _guard(v_theta):
+        _nft_partial_sums_kernel[(n, n_chunks)](
+            *rows, ref_rows, partial, d, *strides, beta, chunk_size, n_chunks,
+            NUM_STATS=_NUM_STATS, HAS_REF=has_ref, BLOCK_D=block_d,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+        _nft_rows_kernel[(1,)](
+            partial, t, t_index, r, W, coefs, loss,
+            n, d, n_rewards, W.shape[1], n_chunks, t.stride(0), t_index.stride(0),
+            r.stride(0), r.stride(1), W.stride(0), W.stride(1),
+            beta, adv_clip_max, kl_coef,
+            NUM_STATS=_NUM_STATS, HAS_REF=has_ref,
+            BLOCK_N=block_n, BLOCK_C=block_c, BLOCK_K=block_k,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return loss, coefs
+
+
+@torch.library.custom_op("recast::nft_loss_forward", mutates_args=())
+def _nft_forward(
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    t_index: torch.Tensor,
+    r: torch.Tensor,
+    W: torch.Tensor,
+    beta: float,
+    adv_clip_max: float,
+    v_ref: torch.Tensor | None,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches 1 and 2 on checked inputs: (loss, (N, 2) gradient coefficients)."""
+    return _nft_forward_impl(
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, True
+    )
+
+
+@_nft_forward.register_fake
+def _nft_forward_fake(*args):
+    return _nft_forward_impl(*args, False)
+
+
+def _nft_backward_impl(grad_loss, v_theta, v_old, x0, noise, v_ref, coefs, kl_coef, launch):
+    """∂loss/∂v_theta in v_theta's dtype and shape (contiguous): launch 3, or with launch=False
+    the same allocations only."""
+    n = v_theta.shape[0]
+    rows = [_as_rows(x, n) for x in (v_theta, v_old, x0, noise)]
+    has_ref = v_ref is not None and kl_coef != 0.0
+    ref_rows = _as_rows(v_ref, n) if has_ref else rows[0]
+    d = rows[0].shape[1]
+    grad = torch.empty(v_theta.shape, device=v_theta.device, dtype=v_theta.dtype)
+    if not launch:
+        return grad
+    block_d, chunk_size, n_chunks = _launch_shape(n, d, _num_sms(v_theta.device))
+    strides = [x.stride(0) for x in (*rows, ref_rows)]
+    with _guard(grad):
+        _nft_grad_kernel[(n, n_chunks)](
+            *rows, ref_rows, coefs, grad_loss, grad, n, d, *strides, 2.0 * kl_coef / (n * d),
+            chunk_size, n_chunks, HAS_REF=has_ref, BLOCK_D=block_d,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return grad
+
+
+@torch.library.custom_op("recast::nft_loss_backward", mutates_args=())
+def _nft_backward(
+    grad_loss: torch.Tensor,
+    v_theta: torch.Tensor,
+    v_old: torch.Tensor,
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    v_ref: torch.Tensor | None,
+    coefs: torch.Tensor,
+    kl_coef: float,
+) -> torch.Tensor:
+    """Launch 3: grad_loss · ∂loss/∂v_theta from the forward's coefficients."""
+    return _nft_backward_impl(grad_loss, v_theta, v_old, x0, noise, v_ref, coefs, kl_coef, True)
+
+
+@_nft_backward.register_fake
+def _nft_backward_fake(*args):
+    return _nft_backward_impl(*args, False)
+
+
+def _nft_setup_context(ctx, inputs, output):
+    v_theta, v_old, x0, noise = inputs[:4]
+    v_ref, kl_coef = inputs[10:]
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient is made for the coefficients
+    ctx.kl_coef = kl_coef
+    if ctx.needs_input_grad[0]:  # saves nothing when only another input asks for a gradient
+        ctx.save_for_backward(v_theta, v_old, x0, noise, v_ref, output[1])
+
+
+def _nft_backward_formula(ctx, grad_loss, grad_coefs):
+    if grad_loss is None or not ctx.needs_input_grad[0]:
+        return (None,) * 12
+    grad = _nft_backward(grad_loss, *ctx.saved_tensors, ctx.kl_coef)
+    return (grad,) + (None,) * 11
+
+
+_nft_forward.register_autograd(_nft_backward_formula, setup_context=_nft_setup_context)
 
 
 def nft_loss(
@@ -531,17 +626,20 @@ def nft_loss(
     """Weighted NFT loss of DESIGN §6 (fp32 scalar), differentiable w.r.t. v_theta only.
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
-    reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES).
+    reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES). Meta tensors
+    take the kernels' path without launching them (for memory plans), as do fake tensors of a
+    device where the kernels run; torch.compile(fullgraph=True) traces it without a break.
     """
+    beta, adv_clip_max, kl_coef = float(beta), float(adv_clip_max), float(kl_coef)  # the ops' types
     _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)
-    if not (v_theta.is_cuda or _INTERPRET):
+    if not (v_theta.is_cuda or v_theta.is_meta or _INTERPRET):
         return _reference_loss(
             v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
         )
-    save = torch.is_grad_enabled() and v_theta.requires_grad
-    return _NFTLoss.apply(
-        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, save
+    loss, _ = _nft_forward(
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
     )
+    return loss
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernel below is interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -99,6 +100,14 @@ _TILE = 1024  # elements per (groups × members) tile
 _NUM_WARPS = 4
 
 
+def _values_readable(x: torch.Tensor) -> bool:
+    """Whether the host can read x's values now. Not while torch.compile traces (reading one is a
+    data-dependent guard: a graph break, or an error under fullgraph=True), and not for a meta or
+    fake tensor (FakeTensorMode, a memory plan): they have no values. Such calls skip the value
+    checks and get what CUDA gives without CHECK_VALUES; shapes and dtypes are still checked."""
+    return not (torch.compiler.is_compiling() or x.is_meta or is_fake(x))
+
+
 def _check_group_size(n: int, group_size: int) -> None:
     if not isinstance(group_size, int) or not 1 <= group_size <= _MAX_GROUP:
         raise ValueError(f"group_size must be an int in [1, {_MAX_GROUP}], got {group_size!r}")
@@ -107,7 +116,7 @@ def _check_group_size(n: int, group_size: int) -> None:
 
 
 def _check_adv_clip_max(adv_clip_max: float) -> None:
-    if not (math.isfinite(adv_clip_max) and adv_clip_max > 0):
+    if not 0 < adv_clip_max < math.inf:  # not math.isfinite: see _check_inputs
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
 
 
@@ -136,7 +145,7 @@ def group_optimality(
         raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
     _check_group_size(final_scores.shape[-1], group_size)
     _check_adv_clip_max(adv_clip_max)
-    if final_scores.device.type == "cpu" or CHECK_VALUES:
+    if (final_scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(final_scores):
         if not bool(torch.isfinite(final_scores).all()):
             raise ValueError("final_scores contains NaN or inf")
     return _group_optimality(final_scores, group_size, adv_clip_max)
@@ -151,10 +160,12 @@ def _check_inputs(scores, group_size, alpha, adv_clip_max) -> None:
     if not scores.is_floating_point():
         raise ValueError(f"scores must be a float tensor, got {scores.dtype}")
     _check_group_size(scores.shape[2], group_size)
-    if not (math.isfinite(alpha) and alpha > 0):
+    # Comparisons rather than math.isfinite, which torch.compile(dynamic=True) cannot apply to the
+    # symbolic floats it passes; NaN fails every comparison.
+    if not 0 < alpha < math.inf:
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
     _check_adv_clip_max(adv_clip_max)
-    if scores.device.type == "cpu" or CHECK_VALUES:  # a host-device sync anywhere but on the CPU
+    if (scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(scores):  # CUDA: a sync
         if not bool(torch.isfinite(scores).all()):
             raise ValueError("scores contains NaN or inf")
 
@@ -344,6 +355,42 @@ def _renyi_gains_kernel(
         tl.store(divergence_ptr + k * (n_steps + 1), 0.0)
 
 
+def _launch(scores, group_size, alpha, adv_clip_max, launch):
+    """The kernel, without checks; with launch=False the same allocations only (the fake
+    implementation: tensors without data)."""
+    n_rewards, n_cols, n = scores.shape
+    divergence = torch.empty((n_rewards, n_cols), device=scores.device, dtype=torch.float32)
+    gains = torch.empty((n_rewards, n_cols - 1), device=scores.device, dtype=torch.float32)
+    if not launch:
+        return divergence, gains
+    block_g = 1 << (group_size - 1).bit_length()  # next powers of two (triton's: slow from Python)
+    block_m = min(1 << (n // group_size - 1).bit_length(), max(1, _TILE // block_g))
+    with torch.cuda.device(scores.device.index if scores.is_cuda else -1):
+        _renyi_gains_kernel[(n_rewards, n_cols - 1)](
+            scores, divergence, gains, n_cols - 1, n // group_size, group_size, *scores.stride(),
+            alpha, adv_clip_max,
+            IS_KL=alpha == 1.0, BLOCK_M=block_m, BLOCK_G=block_g,
+            num_warps=_NUM_WARPS, enable_fp_fusion=True,
+        )  # fmt: skip
+    return divergence, gains
+
+
+# The launch runs inside a torch.library custom operator with a fake implementation (the same
+# allocations, no launch): torch.compile keeps it as one node of its graph, and meta tensors,
+# FakeTensorMode and the tracing of torch.compile run the fake implementation (see nft_loss.py).
+@torch.library.custom_op("recast::renyi_gains", mutates_args=())
+def _renyi_gains_op(
+    scores: torch.Tensor, group_size: int, alpha: float, adv_clip_max: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on checked inputs: (D, gains)."""
+    return _launch(scores, group_size, alpha, adv_clip_max, True)
+
+
+@_renyi_gains_op.register_fake
+def _renyi_gains_fake(*args):
+    return _launch(*args, False)
+
+
 def renyi_gains(
     scores: torch.Tensor, group_size: int, alpha: float = 2.0, adv_clip_max: float = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,28 +398,15 @@ def renyi_gains(
 
     Runs the Triton kernel on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
     reference_renyi_gains otherwise. One launch, no host-device sync on CUDA (see CHECK_VALUES).
+    Meta tensors take the kernel's path without launching it (for memory plans), as do fake
+    tensors of a device where the kernel runs; torch.compile(fullgraph=True) traces it without a
+    break.
     """
+    alpha, adv_clip_max = float(alpha), float(adv_clip_max)  # the op's types
     _check_inputs(scores, group_size, alpha, adv_clip_max)
-    if not (scores.is_cuda or _INTERPRET):
+    if not (scores.is_cuda or scores.is_meta or _INTERPRET):
         return _reference_gains(scores, group_size, alpha, adv_clip_max)
-    return _launch(scores, group_size, alpha, adv_clip_max)
-
-
-def _launch(scores, group_size, alpha, adv_clip_max):
-    """The kernel, without checks."""
-    n_rewards, n_cols, n = scores.shape
-    block_g = 1 << (group_size - 1).bit_length()  # next powers of two (triton's: slow from Python)
-    block_m = min(1 << (n // group_size - 1).bit_length(), max(1, _TILE // block_g))
-    divergence = torch.empty((n_rewards, n_cols), device=scores.device, dtype=torch.float32)
-    gains = torch.empty((n_rewards, n_cols - 1), device=scores.device, dtype=torch.float32)
-    with torch.cuda.device(scores.device.index if scores.is_cuda else -1):
-        _renyi_gains_kernel[(n_rewards, n_cols - 1)](
-            scores, divergence, gains, n_cols - 1, n // group_size, group_size, *scores.stride(),
-            float(alpha), float(adv_clip_max),
-            IS_KL=alpha == 1.0, BLOCK_M=block_m, BLOCK_G=block_g,
-            num_warps=_NUM_WARPS, enable_fp_fusion=True,
-        )  # fmt: skip
-    return divergence, gains
+    return _renyi_gains_op(scores, group_size, alpha, adv_clip_max)
 
 
 # ---------------------------------------------------------------------------------------------

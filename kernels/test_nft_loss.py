@@ -11,6 +11,8 @@ import re
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import nft_loss as nft
 
@@ -109,7 +111,7 @@ def test_nft_loss_runs_the_kernel():
     inputs = make_nft_inputs(4, (33,))
     v_theta = inputs.pop("v_theta").clone().requires_grad_()
     loss = nft.nft_loss(v_theta, **inputs)
-    assert type(loss.grad_fn).__name__ == "_NFTLossBackward"
+    assert "recast_nft_loss_forward" in type(loss.grad_fn).__name__
 
 
 class CountLaunches:
@@ -232,14 +234,15 @@ def test_nft_loss_backward_scaling_and_no_grad():
 
 
 def test_nft_loss_bad_t_index_without_checks_gives_nan():
-    """What CUDA does without CHECK_VALUES: no out-of-bounds read of W, a NaN loss and NaN
-    gradient rows for the images whose t_index is outside [0, T)."""
+    """What CUDA (without CHECK_VALUES) and compiled calls do: no out-of-bounds read of W, a NaN
+    loss and NaN gradient rows for the images whose t_index is outside [0, T). The operator
+    itself has no checks."""
     inputs = make_nft_inputs(4, (2, 3), seed=8)
     inputs["t_index"][2] = inputs["W"].shape[1]
     inputs["t_index"][3] = -1
     v_theta = inputs.pop("v_theta").clone().requires_grad_()
     args = [inputs[k] for k in ("v_old", "x0", "noise", "t", "t_index", "r", "W")]
-    loss = nft._NFTLoss.apply(v_theta, *args, 1.0, 5.0, inputs["v_ref"], 0.1, True)
+    loss, _ = nft._nft_forward(v_theta, *args, 1.0, 5.0, inputs["v_ref"], 0.1)
     loss.backward()
     assert loss.isnan()
     assert v_theta.grad[2:].isnan().all() and not v_theta.grad[:2].isnan().any()
@@ -331,3 +334,155 @@ def test_nft_loss_bad_inputs(fn_name, name, breaks, monkeypatch):
     bad = {**inputs, **breaks(inputs)}
     with pytest.raises(ValueError, match=error_names(name)):
         getattr(nft, fn_name)(**bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing: torch.compile, FakeTensorMode and meta tensors (what a memory plan runs)
+# ---------------------------------------------------------------------------------------------
+FORWARD_OP = torch.ops.recast.nft_loss_forward.default
+BACKWARD_OP = torch.ops.recast.nft_loss_backward.default
+ARG_NAMES = ("v_theta", "v_old", "x0", "noise", "t", "t_index", "r", "W")
+
+
+class RecordGraphs:
+    """A torch.compile backend: keeps each graph Dynamo hands it, compiles it with `backend`."""
+
+    def __init__(self, backend: str):
+        self.backend, self.graphs = backend, []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+
+
+class RecordOps(TorchDispatchMode):
+    """Records every operator that reaches the dispatcher below autograd, with its outputs' shapes
+    and dtypes (not devices, so that meta and real calls compare)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        shapes = [(tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor)]
+        self.calls.append((func, shapes))
+        return out
+
+    def count(self, op) -> int:
+        return sum(func is op for func, _ in self.calls)
+
+
+def no_reference(*args, **kwargs):
+    raise AssertionError("the reference ran instead of the kernels' operators")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_nft_loss_compiles_without_graph_break(backend):
+    """torch.compile(fullgraph=True) of a step around nft_loss: one graph holding the forward
+    operator, and the loss and the gradient (grad_output 2.5 through the compiled backward) equal
+    eager's bit for bit."""
+
+    def step(**inputs):
+        return 2.5 * nft.nft_loss(**inputs, beta=0.7, kl_coef=0.1)
+
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.bfloat16, seed=10)
+    record = RecordGraphs(backend)
+    loss, grad = loss_and_grad(torch.compile(step, backend=record, fullgraph=True), inputs)
+    loss_eager, grad_eager = loss_and_grad(step, inputs)
+    assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+    (graph,) = record.graphs
+    assert sum(node.target is FORWARD_OP for node in graph.graph.nodes) == 1
+
+
+def test_nft_loss_compiles_with_dynamic_shapes():
+    """dynamic=True: the second batch size and image size compile nothing new (the fake
+    implementation takes symbolic sizes), and both equal eager."""
+    record = RecordGraphs("aot_eager")
+    compiled = torch.compile(nft.nft_loss, backend=record, fullgraph=True, dynamic=True)
+    graphs = []
+    for n, shape, seed in ((4, (2, 5, 7), 11), (6, (2, 3, 11), 12)):
+        inputs = make_nft_inputs(n, shape, seed=seed)
+        loss, grad = loss_and_grad(compiled, inputs, kl_coef=0.2)
+        loss_eager, grad_eager = loss_and_grad(nft.nft_loss, inputs, kl_coef=0.2)
+        assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+        graphs.append(len(record.graphs))
+    assert graphs[0] == graphs[1] and any(
+        node.target is FORWARD_OP for graph in record.graphs for node in graph.graph.nodes
+    )
+
+
+def test_nft_loss_under_fake_tensor_mode(monkeypatch):
+    """FakeTensorMode, forward and backward: the operators' fake implementations give the loss
+    and gradient's shapes and dtypes; no value is read (t_index is out of range), no kernel is
+    launched, the reference does not run."""
+    for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
+        monkeypatch.setattr(nft, name, None)  # a launch would fail: None[grid]
+    monkeypatch.setattr(nft, "_reference_loss", no_reference)
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.bfloat16, seed=13)
+    inputs["t_index"][0] = 99
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in inputs.items()}
+        with RecordOps() as ops:
+            loss, grad = loss_and_grad(nft.nft_loss, fake, kl_coef=0.1)
+    assert isinstance(loss, FakeTensor) and isinstance(grad, FakeTensor)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert grad.shape == inputs["v_theta"].shape and grad.dtype == torch.bfloat16
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 1
+
+
+def test_nft_loss_on_meta_runs_the_operators(monkeypatch):
+    """A memory plan on meta tensors, in a process without the interpreter (a planner's): the
+    kernels' operators run, not the reference, in the forward and in the backward."""
+    monkeypatch.setattr(nft, "_INTERPRET", False)
+    monkeypatch.setattr(nft, "_reference_loss", no_reference)
+    inputs = {k: v.to("meta") for k, v in make_nft_inputs(5, (3, 7, 9), seed=14).items()}
+    with RecordOps() as ops:
+        loss, grad = loss_and_grad(nft.nft_loss, inputs, kl_coef=0.1)
+    assert loss.is_meta and loss.shape == () and grad.shape == (5, 3, 7, 9)
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 1
+    with torch.no_grad():  # a plan of an evaluation: the forward alone
+        with RecordOps() as ops:
+            nft.nft_loss(**inputs)
+    assert ops.count(FORWARD_OP) == 1 and ops.count(BACKWARD_OP) == 0
+
+
+class NoLaunch:
+    """Stands in for a @triton.jit kernel: launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_nft_loss_fake_implementations_allocate_what_the_kernels_do(monkeypatch):
+    """The operators' fake implementations (here on meta) make the same tensors, in the same
+    order, as their real implementations, the kernels' launches aside (the interpreter makes
+    tensors of its own): the buffers of launches 1-3 and the copies of inputs that have no (N, D)
+    view (channels-last)."""
+    for name in ("_nft_partial_sums_kernel", "_nft_rows_kernel", "_nft_grad_kernel"):
+        monkeypatch.setattr(nft, name, NoLaunch())
+    inputs = make_nft_inputs(5, (3, 7, 9), torch.float16, seed=15)
+    inputs["v_old"] = inputs["v_old"].contiguous(memory_format=torch.channels_last)
+    implementations = {
+        "cpu": (lambda *a: nft._nft_forward_impl(*a, True), nft._nft_backward_impl),
+        "meta": (nft._nft_forward_fake, nft._nft_backward_fake),
+    }
+    calls = {}
+    for device, (forward, backward) in implementations.items():
+        on = {k: v.to(device) for k, v in inputs.items()}
+        big = [on[k] for k in ARG_NAMES]
+        with RecordOps() as ops:
+            loss, coefs = forward(*big, 0.7, 5.0, on["v_ref"], 0.1)
+            args = (loss, *big[:4], on["v_ref"], coefs, 0.1)
+            grad = backward(*args, True) if device == "cpu" else backward(*args)
+        assert grad.shape == (5, 3, 7, 9) and grad.dtype == torch.float16
+        calls[device] = ops.calls
+    assert calls["cpu"] == calls["meta"]
+    made = [(func, shapes[0]) for func, shapes in calls["cpu"]]
+    copy = (torch.ops.aten.clone.default, ((5, 3, 7, 9), torch.float16))  # v_old's (N, D) rows
+    empty = torch.ops.aten.empty.memory_format
+    buffers = [(empty, ((5, 2), torch.float32)), (empty, ((), torch.float32))]  # coefs, loss
+    buffers += [(empty, ((5, nft._NUM_STATS, 1), torch.float32))]  # launch 1's partial sums
+    assert made.count(copy) == 2 and all(buffer in made for buffer in buffers)
+    assert made.count((empty, ((5, 3, 7, 9), torch.float16))) == 1  # the gradient

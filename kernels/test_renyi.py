@@ -7,12 +7,15 @@ conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the
 hold for both (see `tolerance`).
 """
 
+import contextlib
 import math
 import os
 import re
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import renyi
 from kernels.renyi import gain_profiles, recast_weights, shift_gains
@@ -169,7 +172,7 @@ def test_renyi_nonfinite_scores_without_checks_give_nan():
     scores[0, 2, 5] = float("nan")  # reward 0, step 2
     scores[1, 4, 0] = float("inf")  # reward 1, final scores: every step of reward 1
     scores[1, 0, 3] = float("nan")  # step 0: unused
-    D, gains = renyi._launch(scores, 4, 2.0, 5.0)
+    D, gains = renyi._renyi_gains_op(scores, 4, 2.0, 5.0)  # no checks
     assert D[0, 2].isnan() and not D[0, [0, 1, 3, 4]].isnan().any()
     assert gains[0, 1:3].isnan().all() and not gains[0, [0, 3]].isnan().any()
     assert D[1, 0] == 0 and D[1, 1:].isnan().all() and gains[1].isnan().all()
@@ -324,3 +327,69 @@ def test_shift_out_of_range_is_an_error():
         shift_gains(_random_gains(0), 10)
     with pytest.raises(ValueError, match="shift"):
         shift_gains(_random_gains(0), -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing: torch.compile, FakeTensorMode and meta tensors (what a memory plan runs)
+# ---------------------------------------------------------------------------------------------
+RENYI_OP = torch.ops.recast.renyi_gains.default
+
+
+class RecordOps(TorchDispatchMode):
+    """Records every operator that reaches the dispatcher below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def no_reference(*args, **kwargs):
+    raise AssertionError("the reference ran instead of the kernel's operator")
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_renyi_gains_compiles_without_graph_break(backend):
+    """torch.compile(fullgraph=True), W built from the gains in the same graph: one graph, the
+    kernel's operator in it, D and the gains equal eager's bit for bit."""
+
+    def gains_to_weights(scores):
+        D, gains = renyi.renyi_gains(scores, 4, alpha=2.0)
+        return D, gains.clamp(min=0) / gains.clamp(min=0).sum(1, keepdim=True)
+
+    graphs = []
+
+    def backend_fn(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    scores = make_scores(2, 4, 6, 4, seed=7)
+    compiled = torch.compile(gains_to_weights, backend=backend_fn, fullgraph=True)
+    for got, expected in zip(compiled(scores), gains_to_weights(scores), strict=True):
+        assert torch.equal(got, expected)
+    (graph,) = graphs
+    assert sum(node.target is RENYI_OP for node in graph.graph.nodes) == 1
+
+
+@pytest.mark.parametrize("where", ["fake", "meta"])
+def test_renyi_gains_traces_without_values(where, monkeypatch):
+    """FakeTensorMode, and meta tensors in a process without the interpreter (a planner's): the
+    operator's fake implementation gives D and the gains' shapes; the kernel is not launched, the
+    reference does not run, and no value is read (a NaN score would otherwise be an error)."""
+    monkeypatch.setattr(renyi, "_INTERPRET", False if where == "meta" else renyi._INTERPRET)
+    monkeypatch.setattr(renyi, "_reference_gains", no_reference)
+    monkeypatch.setattr(renyi, "_renyi_gains_kernel", None)  # a launch would fail: None[grid]
+    scores = make_scores(3, 5, 4, 6, seed=8)
+    scores[0, 1, 0] = float("nan")
+    with FakeTensorMode() if where == "fake" else contextlib.nullcontext() as mode:
+        scores = mode.from_tensor(scores) if where == "fake" else scores.to("meta")
+        with RecordOps() as ops:
+            D, gains = renyi.renyi_gains(scores, 6)
+            r = renyi.group_optimality(scores[:, -1], 6)
+    assert D.shape == (3, 6) and gains.shape == (3, 5) and r.shape == (3, 24)
+    assert D.dtype == gains.dtype == torch.float32
+    assert (D.is_meta and gains.is_meta) if where == "meta" else isinstance(D, FakeTensor)
+    assert ops.calls.count(RENYI_OP) == 1
