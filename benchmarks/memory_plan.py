@@ -63,7 +63,7 @@ import recast  # noqa: E402
 import rewards  # noqa: E402
 import sd3world  # noqa: E402
 from benchmarks import memtrace  # noqa: E402
-from kernels.nft_loss import nft_loss  # noqa: E402
+from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 
 PHASES = ("rollout", "score", "recast", "update", "eval")
 # docs/sd35.md's one-GPU command: the training flags when none is given
@@ -99,8 +99,9 @@ def parse(argv: list[str] | None = None):
     ap = _Parser(prog="memory_plan.py", description=__doc__, add_help=False,
                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--help", "-h", action="store_true")
-    ap.add_argument("--gpu-memory", type=float, default=80.0,
-                    help="GiB of one GPU (default 80: an H100; 141 for an H200)")  # fmt: skip
+    ap.add_argument("--gpu-memory", type=float, default=79.6,
+                    help="GiB of one GPU as CUDA reports it (default 79.6: an H100 80GB's "
+                    "81,559 MiB; an H200: 140.4)")  # fmt: skip
     ap.add_argument(
         "--world-size",
         type=int,
@@ -281,7 +282,7 @@ def aesthetic_head(c: dict, device) -> list:
     if os.path.isfile(path):
         return [(w.to(device), b.to(device)) for w, b in rewards.aesthetic_head(path)]
     w = c["aesthetic_head"]
-    return [(torch.empty(o, i, device=device), torch.empty(o, device=device))
+    return [(torch.zeros(o, i, device=device), torch.zeros(o, device=device))
             for i, o in zip(w, w[1:], strict=False)]  # fmt: skip
 
 
@@ -296,7 +297,7 @@ def hpsv2_device_work(clip, tok, size: int):
         out = []
         for s in range(0, len(prompts), rewards.CHUNK):
             chunk = prompts[s : s + rewards.CHUNK]
-            pixels = torch.empty(len(chunk), 3, size, size, device=images.device)
+            pixels = torch.zeros(len(chunk), 3, size, size, device=images.device)
             tokens = tok(chunk, padding="max_length", max_length=77, truncation=True,
                          return_tensors="pt").input_ids.to(images.device)  # fmt: skip
             feats = model(pixels, tokens)
@@ -372,15 +373,15 @@ def epoch(run, marks: Marks, bar) -> None:
     E = len(world.eval_prompts) * args.eval_seeds
     E_local = math.ceil(E / ws)  # rank 0's share of the held-out images
     with marks.making("data"):  # EvalSet keeps the base model's eval images on rank 0
-        base_images = torch.empty(E_local, 3, args.resolution, args.resolution, device=device)
+        base_images = torch.zeros(E_local, 3, args.resolution, args.resolution, device=device)
 
     with marks.phase("rollout"):  # recast.rollout: this rank's groups, --batch-size a sampler call
         cond = world.encode(my_prompts)
         noise = torch.randn(n_local, *latent, device=device)
         b = min(args.batch_size, n_local)
         with marks.making("data"):  # the earlier batches' x0 and x̂0
-            x0_before = torch.empty(n_local - b, *latent, device=device)
-            preds_before = torch.empty(T, n_local - b, *latent, device=device)
+            x0_before = torch.zeros(n_local - b, *latent, device=device)
+            preds_before = torch.zeros(T, n_local - b, *latent, device=device)
         n = torch.arange(n_local - b, n_local, device=device)
         old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
         x, pred = recast.sample(old, noise[n], tuple(c[n // G] for c in cond), sigmas)
@@ -411,7 +412,7 @@ def epoch(run, marks: Marks, bar) -> None:
     with marks.phase("eval"):  # recast.evaluate on the last chunk of rank 0's held-out images
         chunk = min(args.batch_size, E_local)
         with marks.making("data"):
-            images_before = torch.empty(E_local - chunk, 3, args.resolution, args.resolution,
+            images_before = torch.zeros(E_local - chunk, 3, args.resolution, args.resolution,
                                         device=device)  # fmt: skip
         eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(chunk)]
         noise = torch.randn(chunk, *latent)
@@ -441,8 +442,9 @@ def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
     with torch.no_grad():
         v_old = world.v("old", x_t, c, t)
         v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-    loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
-                    args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+    loss_fn = run["nft_loss"]  # the fused kernel's operator on a GPU; its reference on the CPU
+    loss = loss_fn(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
+                   args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
     with marks.making("temporaries"):
         (loss * B / (B * args.grad_accum)).backward()
         del loss, v_theta, v_old, v_ref, x_t, c, cond, eps
@@ -478,6 +480,7 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     optimizer.zero_grad(set_to_none=True)
     return {"args": args, "world": Autocasting(world, form), "form": form, "ws": own.world_size,
             "reward_fns": reward_fns, "scorers": reward_fns, "params": params, "opt": optimizer,
+            "nft_loss": nft_loss if cuda_form else reference_nft_loss,
             "sigmas": world.sigmas(args.steps), "held": [world.transformer, pipe.vae,
             pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, *reward_held]}  # fmt: skip
 
