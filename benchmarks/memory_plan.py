@@ -114,6 +114,9 @@ def parse(argv: list[str] | None = None):
         default=0,
         help="divide every width of the configurations by this (modelzoo.SHRINKS)",
     )
+    ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
+                    help="held-out prompts, when no --eval-prompts-file is given "
+                    f"(default {EVAL_PROMPTS})")  # fmt: skip
     ap.add_argument(
         "--optimizer",
         choices=["foreach", "fused"],
@@ -139,6 +142,8 @@ def parse(argv: list[str] | None = None):
         sys.exit(0)
     if not (0 < own.gpu_memory < math.inf):
         fail("--gpu-memory", f"must be a positive number of GiB, got {own.gpu_memory}")
+    if own.eval_prompts < 1:
+        fail("--eval-prompts", f"must be ≥ 1, got {own.eval_prompts}")
     if own.world_size < 1:
         fail("--world-size", f"must be ≥ 1, got {own.world_size}")
     if own.shrink and own.shrink not in modelzoo.SHRINKS:
@@ -150,7 +155,7 @@ def parse(argv: list[str] | None = None):
         fail("--json", f"{own.json} is a folder: give a file name")
     model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else CONFIG_MODELS[0]
     if model in CONFIG_MODELS:
-        rest = [a for a in rest] + ["--model", model]
+        rest = [*rest, "--model", model]
     elif not os.path.isfile(os.path.join(model, "model_index.json")):
         fail("--model", f"{model!r} is neither a pipeline folder (with model_index.json) nor a "
              f"configuration of benchmarks/configs ({', '.join(CONFIG_MODELS)})")  # fmt: skip
@@ -168,7 +173,7 @@ def parse(argv: list[str] | None = None):
         fail("--profile", "plans a training run; --profile trains nothing")
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
-        sd3world.check(args, names, [])
+        sd3world.check(args, names, judges)
     except sd3world.BadInput as e:
         if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
             fail(e.flag, str(e))
@@ -488,15 +493,16 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
 # ---------------------------------------------------------------------------------------------
 # The plan, and its check against the CPU allocator
 # ---------------------------------------------------------------------------------------------
-def prompt_files(args, tmp: Path) -> None:
-    """Generated prompts (long enough to fill CLIP's 77 tokens) where no file was given."""
+def prompt_files(args, tmp: Path, n_eval: int) -> None:
+    """Generated prompts (long enough to fill CLIP's 77 tokens) where no file was given: n_eval
+    held-out ones."""
     if not args.prompts_file:
         path = tmp / "prompts.txt"
         path.write_text("\n".join(modelzoo.prompts(max(64, args.prompts))) + "\n")
         args.prompts_file = str(path)
     if not args.eval_prompts_file:
         path = tmp / "eval.txt"
-        path.write_text("\n".join(modelzoo.prompts(EVAL_PROMPTS, 1000)) + "\n")
+        path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
         args.eval_prompts_file = str(path)
 
 
@@ -596,7 +602,6 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     for change in alternatives(args):
         if change.get("batch_size", own.world_size) % own.world_size:
             continue
-        changed = argparse.Namespace(**vars(args))
         changed = recast.Args(**{**vars(args), **change})
         peaks = plan(own, changed, c, tmp, desc=flags_of(change))
         tried.append({"flags": flags_of(change), "peaks": peaks,
@@ -652,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     c = modelzoo.load_configs(own.shrink)
     tic = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="memory_plan_") as tmp:
-        prompt_files(args, Path(tmp))
+        prompt_files(args, Path(tmp), own.eval_prompts)
         peaks = plan(own, args, c, Path(tmp))
         report = {"settings": {k: v for k, v in vars(args).items()}, "rewards": own.names,
                   "world_size": own.world_size, "optimizer": own.optimizer,
