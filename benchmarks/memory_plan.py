@@ -16,7 +16,8 @@ checks reject what it would reject (exit 2, naming the flag). `--world-size N` p
 
 Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
 counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
-as on the GPU, bf16 autocast where sd3world/recast use it, AdamW in its foreach or fused form):
+as on the GPU, bf16 autocast where sd3world/recast use it, AdamW in its foreach form, which
+recast.py's AdamW takes on CUDA; fused AdamW does not run on meta tensors):
 - rollout: world.encode of this rank's prompts and recast.sample with the old policy (world.v under
   no_grad) on the last --batch-size images, T steps, the earlier batches' x0 and x̂0 held;
 - score: world.decode of this rank's images and every reward (recast.score_all), fp32;
@@ -49,7 +50,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
@@ -79,7 +82,7 @@ FRAGMENTATION = 0.10  # reserved - allocated of the caching allocator, as a shar
 GIB = 2**30
 
 
-def fail(flag: str, message: str):
+def fail(flag: str, message: str) -> NoReturn:
     print(f"memory_plan.py: error: {flag}: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -94,7 +97,7 @@ class _Parser(argparse.ArgumentParser):
              detail or message)  # fmt: skip
 
 
-def parse(argv: list[str] | None = None):
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Args]:
     """(the planner's flags, recast.Args): recast.py's flags on top of DOCS_COMMAND."""
     ap = _Parser(prog="memory_plan.py", description=__doc__, add_help=False,
                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -117,12 +120,6 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
                     help="held-out prompts, when no --eval-prompts-file is given "
                     f"(default {EVAL_PROMPTS})")  # fmt: skip
-    ap.add_argument(
-        "--optimizer",
-        choices=["foreach", "fused"],
-        default="foreach",
-        help="AdamW's GPU form (recast.py's AdamW takes foreach on CUDA)",
-    )
     ap.add_argument(
         "--no-suggest",
         action="store_true",
@@ -151,8 +148,9 @@ def parse(argv: list[str] | None = None):
     if own.check_cpu and not own.shrink and "--model" not in rest:
         fail("--check-cpu", "runs the same calls for real on this CPU: give --shrink 4 (or 8, 16) "
              "or a small --model folder")  # fmt: skip
-    if own.json and os.path.isdir(own.json):
-        fail("--json", f"{own.json} is a folder: give a file name")
+    folder = os.path.dirname(os.path.abspath(own.json)) if own.json else ""
+    if own.json and (os.path.isdir(own.json) or not os.access(folder, os.W_OK)):
+        fail("--json", f"{own.json} cannot be written: give a file in a writable folder")
     model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else CONFIG_MODELS[0]
     if model in CONFIG_MODELS:
         rest = [*rest, "--model", model]
@@ -190,7 +188,7 @@ CHOICES = {"weighting": ["recast", "uniform", "sum", "reversed"], "log": ["none"
 # ---------------------------------------------------------------------------------------------
 # Models: the pipeline and the reward models, built on the current device from configurations
 # ---------------------------------------------------------------------------------------------
-def pipeline(model: str, c: dict, tokenizers: Path):
+def pipeline(model: str, c: dict, tokenizers: Path) -> "StableDiffusion3Pipeline":  # noqa: F821
     """The StableDiffusion3Pipeline of --model (fp32, random weights, on the current device):
     benchmarks/configs' SD3.5-Medium, or a folder's component configurations and tokenizers."""
     if model in CONFIG_MODELS:
@@ -291,7 +289,7 @@ def aesthetic_head(c: dict, device) -> list:
             for i, o in zip(w, w[1:], strict=False)]  # fmt: skip
 
 
-def hpsv2_device_work(clip, tok, size: int):
+def hpsv2_device_work(clip, tok, size: int) -> rewards.RewardFn:
     """HPS v2.1's work on the GPU: rewards.hpsv2_scorer preprocesses each image with PIL on the CPU
     (which meta tensors cannot do) and sends rewards.CHUNK preprocessed images and 77 tokens per
     forward to open_clip's ViT-H-14 (here a CLIPModel of its shape, modelzoo.OpenClipLike)."""
@@ -322,11 +320,11 @@ class Autocasting:
     def __getattr__(self, name: str):
         return getattr(self.world, name)
 
-    def v(self, *a):
+    def v(self, *a) -> torch.Tensor:
         with self.form.autocasting():
             return self.world.v(*a)
 
-    def encode(self, prompts: list[str]):
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         with self.form.autocasting():
             return self.world.encode(prompts)
 
@@ -341,7 +339,7 @@ class Marks:
         self.tracker, self.peaks = tracker, {}
 
     @contextlib.contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         t = self.tracker
         if t is None:
             with torch.profiler.record_function(f"phase:{name}"):
@@ -352,7 +350,7 @@ class Marks:
         yield
         self.peaks[name] = {"peak": t.peak, **t.peak_split}
 
-    def making(self, kind: str):
+    def making(self, kind: str) -> contextlib.AbstractContextManager:
         return self.tracker.making(kind) if self.tracker else contextlib.nullcontext()
 
 
@@ -477,8 +475,8 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     if args.grad_checkpointing:  # the recomputation in backward takes the same form
         world.transformer.enable_gradient_checkpointing(form.checkpoint_function())
     params = [p for p in world.trainable.parameters() if p.requires_grad]
-    kind = {"foreach": {"foreach": True}, "fused": {"fused": True}}[own.optimizer]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, **kind)
+    # recast.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
     for p in params:  # a later step: the state exists (exp_avg, exp_avg_sq, step)
         p.grad = torch.zeros_like(p)
     optimizer.step()
@@ -621,7 +619,7 @@ def lines(report: dict) -> list[str]:
            f"{','.join(report['rewards'])} --kl-coef {a['kl_coef']:g} --gain-frac "
            f"{a['gain_frac']:.4g} --score-precision {a['score_precision']}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
-         f"AdamW {report['optimizer']}; {report['eval_images']} held-out images on this rank; "
+         f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
          f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",
          f"phase      peak {unit}   params    grads    optim     data    activ"
          "    temps"]  # fmt: skip
@@ -660,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt_files(args, Path(tmp), own.eval_prompts)
         peaks = plan(own, args, c, Path(tmp))
         report = {"settings": {k: v for k, v in vars(args).items()}, "rewards": own.names,
-                  "world_size": own.world_size, "optimizer": own.optimizer,
+                  "world_size": own.world_size,
                   "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
                   "verdict": verdict(peaks, own.gpu_memory),
                   "eval_images": math.ceil(len(sd3world.read_prompts(args.eval_prompts_file))

@@ -25,12 +25,13 @@ fragmentation (reserved − allocated).
 
 import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 KINDS = ("parameters", "gradients", "optimizer", "data", "activations", "temporaries")
 CUDA_ROUND = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
@@ -105,7 +106,7 @@ class StorageTracker(TorchDispatchMode):
         ]
 
     @contextlib.contextmanager
-    def making(self, kind: str):
+    def making(self, kind: str) -> Iterator[None]:
         """What operators make inside is counted as `kind`."""
         saved, self.kind = self.kind, kind
         try:
@@ -158,7 +159,7 @@ class GpuForm(TorchFunctionMode):
         self.target, self.autocast, self.dtype = target, False, dtype
 
     @contextlib.contextmanager
-    def autocasting(self):
+    def autocasting(self) -> Iterator[None]:
         """What torch.autocast("cuda", dtype) does on a GPU, on meta tensors."""
         saved, self.autocast = self.autocast, self.target == "cuda"
         try:
@@ -177,7 +178,7 @@ class GpuForm(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def checkpoint_function(self):
+    def checkpoint_function(self) -> Callable:
         """A gradient_checkpointing_func for diffusers' enable_gradient_checkpointing: diffusers'
         default (torch's non-reentrant checkpoint), with this form re-entered, autocast as it was
         in the forward, for the recomputation in backward: torch.utils.checkpoint restores
@@ -229,10 +230,3 @@ class GpuForm(TorchFunctionMode):
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, grad, dropout_p, is_causal, scale=scale
         )[0]
-
-
-def meta_like(tree):
-    """Every tensor of `tree` as an empty meta tensor of the same shape and dtype."""
-    return tree_map(
-        lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, tree
-    )
