@@ -9,6 +9,8 @@
   77 tokens), `t5_tokenizer` (one token per printable character); `prompts` long enough to fill
   CLIP's 77 tokens with them.
 - `tiny_sd3_pipeline`: the tiny SD3 pipeline (T5 left out) that the tests train.
+- `tiny_vlm`: a tiny random Qwen2.5-VL saved as a local model folder (weights, a generated
+  byte-level tokenizer with the chat template, the image processor), for the VLM judge's tests.
 
 A leaf: imports torch, diffusers and transformers only (lazily), never the training script.
 """
@@ -260,3 +262,109 @@ def prompts(n: int, offset: int = 0) -> list[str]:
         out.append(f"{s} at dusk, seen from a low angle, {st}, highly detailed, sharp focus, "
                    f"balanced composition, variant {i}")  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny vision-language model (Qwen2.5-VL), saved as a model folder
+# ---------------------------------------------------------------------------------------------
+VLM_SPECIAL_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-VL-Instruct's chat format: a default system turn, then <|im_start|>role\n...<|im_end|>\n
+# turns, each image a <|vision_start|><|image_pad|><|vision_end|> placeholder that preprocessing
+# widens to one <|image_pad|> per merged patch.
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
+    """Write a tiny random Qwen2.5-VL into `folder` as a released Qwen2.5-VL-Instruct folder is laid
+    out (config.json and weights, tokenizer with chat template, preprocessor_config.json), so that
+    AutoModelForImageTextToText, AutoTokenizer and AutoImageProcessor load it back offline; returns
+    the folder. Two text layers and two vision blocks, all 32 wide; images resized to at most
+    56 x 56 px: 4 x 4 patches of 14 px, merged 2 x 2 into 4 tokens an image. The tokenizer is a
+    byte-level BPE without merges over the 256 byte symbols (any text encodes; "1" and "2" are
+    single tokens, as in Qwen's vocabulary) plus VLM_SPECIAL_TOKENS. Its answers mean nothing;
+    loading, preprocessing and the forward are the real model's. Same seed, same weights; the
+    caller's random state is left as it was."""
+    from tokenizers import pre_tokenizers
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessorPil,
+    )
+
+    folder = os.fspath(folder)
+    vocab = {"<|endoftext|>": 0}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    for token in VLM_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(VLM_SPECIAL_TOKENS),
+    )
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(vocab),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,  # head width 8: 4 rotary frequencies, split (t, h, w) 2, 1, 1
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+            "eos_token_id": vocab["<|im_end|>"],
+            "pad_token_id": vocab["<|endoftext|>"],
+            "bos_token_id": None,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 4,
+            "out_hidden_size": 32,  # the text width: merged patches become token embeddings
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    return folder

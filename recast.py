@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 import checkpoint
 import cli
+import eval_images
 import hub
 import plots
 import reward_profile
@@ -354,6 +355,9 @@ class EvalSet:
                             generator=torch.Generator().manual_seed(EVAL_SEED))  # fmt: skip
         share = slice(run.rank * len(prompts) // ws, (run.rank + 1) * len(prompts) // ws)
         self.prompts, self.noise = prompts[share], noise[share]
+        self.start, self.index = share.start, {  # what OUT/eval_images/ says of its images
+            "prompts": prompts, "eval_seeds": args.eval_seeds, "eval_seed": EVAL_SEED,
+            "noise_sha256": eval_images.noise_digest(noise)}  # fmt: skip
         self.ideal = world.ideal(self.prompts)  # None where there is no ideal rendering
         self.ideal_eval = None if self.ideal is None else {
             k: mean_all(rewards.score(k, fn, self.ideal, self.prompts).to(world.device))
@@ -380,8 +384,11 @@ class EvalSet:
         return {k: mean_all(v.to(run.world.device)) for k, v in means.items()}, images
 
     def __call__(self, epoch: int, metrics: dict) -> None:
-        """Eval the trained policy into `metrics` (eval/*, gap/*) and draw samples.png."""
+        """Eval the trained policy into `metrics` (eval/*, gap/*), keep its images in
+        OUT/eval_images/ and draw samples.png."""
         ev, images = self.score()
+        index = {"epoch": epoch, **self.index}
+        eval_images.save(self.run.args.out, images, self.start, index, self.run.rank)
         metrics.update({f"eval/{k}": v for k, v in ev.items()})
         if self.ideal is not None:  # fraction of the base → ideal-rendering gap closed
             span = {k: self.ideal_eval[k] - self.base[k] for k in ev}  # 0: nothing left to close

@@ -18,6 +18,9 @@ The toy rewards, in the order `recast.py` uses them, each measuring one attribut
                 2% of background pixels away (> 3 px) from the object: specks, not the average.
 Judges: `shape` (1 if the drawn mask matches the requested shape better than the other two shapes
 of the same area and centroid) and `iou` (overlap of the drawn mask with the ideal rendering's).
+`--rewards toy2` is the toy world's second setting, four other properties of the same pictures
+(`size`, `elongation`, `outline`, `texture`; docs/toy_world.md#setting-2), chosen on base-model
+measurements alone to test ReCAST where nothing was tuned.
 
 Reward models for SD3 / SD3.5 (`LOADERS`, loaded on first use with transformers; each location is a
 local folder or a hub id, set by an environment variable):
@@ -173,6 +176,63 @@ def background(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# Setting 2 (`--rewards toy2`): four more properties of the same pictures, chosen on the base
+# model alone (docs/toy_world.md#setting-2): its objects' size, elongation, outline and texture
+# ---------------------------------------------------------------------------------------------
+def _second_moments(a: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues (B, 2), largest first, of the mask-weighted covariance of pixel positions."""
+    H, W = a.shape[-2:]
+    c = centroid(a)
+    dx = torch.arange(W, device=a.device, dtype=a.dtype)[None, None] + 0.5 - c[:, :1, None]
+    dy = torch.arange(H, device=a.device, dtype=a.dtype)[None, :, None] + 0.5 - c[:, 1:, None]
+    mass = a.sum((1, 2)) + 1e-6
+    xx, yy, xy = ((a * u * w).sum((1, 2)) / mass for u, w in ((dx, dx), (dy, dy), (dx, dy)))
+    half_trace, det = (xx + yy) / 2, xx * yy - xy**2
+    disc = (half_trace**2 - det).clamp(min=0).sqrt()
+    return torch.stack([half_trace + disc, half_trace - disc], 1)
+
+
+@reward("size")
+def size(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """−|log(area / AREA)|: the object's area (its soft mask's mass) against the canonical one,
+    as a log so that half and double the area cost the same."""
+    area = soft_mask(_rgb(images)).sum((1, 2)).clamp(min=1.0)
+    return -(area / tw.AREA).log().abs()
+
+
+@reward("elongation")
+def elongation(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """−½·log(l1/l2) of the soft mask's second moments: 0 for an isotropic object (the circle,
+    the square and the equilateral triangle all are), more negative the more it is stretched."""
+    ev = _second_moments(soft_mask(_rgb(images)))
+    return -0.5 * (ev[:, 0] / ev[:, 1].clamp(min=1e-6)).clamp(min=1.0).log()
+
+
+@reward("outline")
+def outline(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """−(pixels of the hard mask that a 1 px Gaussian smoothing flips) / √area: a ragged,
+    notched outline flips many, a straight or round one few (a corner flips a couple, so the
+    ideal square and triangle score a little below 0)."""
+    mask = hard_mask(images)
+    smooth = (tw.blur(mask, 1.0) > 0.5).float()
+    return -(mask - smooth).abs().sum((1, 2)) / mask.sum((1, 2)).clamp(min=1).sqrt()
+
+
+@reward("texture")
+def texture(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """−mean RGB distance of the object's interior (mask eroded by a pixel) from the interior's
+    own mean colour: mottling and speckle inside the object, whatever its colour (`color`
+    measures the distance from the requested colour)."""
+    rgb = _rgb(images)
+    a = soft_mask(rgb)
+    core = -F.max_pool2d(-(a > 0.5).to(a.dtype)[:, None], 3, stride=1, padding=1)[:, 0]
+    w = core + 1e-4 * a  # as in `color`: the soft mask only where there is no interior
+    mean = torch.einsum("bhw,bchw->bc", w, rgb) / w.sum((1, 2))[:, None].clamp(min=1e-6)
+    err = (rgb - mean[:, :, None, None]).square().sum(1).sqrt()  # (B, H, W)
+    return -(w * err).sum((1, 2)) / w.sum((1, 2)).clamp(min=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
 # Held-out judges (never trained on)
 # ---------------------------------------------------------------------------------------------
 def hard_mask(images: torch.Tensor) -> torch.Tensor:
@@ -206,8 +266,11 @@ def iou(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Reward models for SD3 / SD3.5 (LOADERS: loaded on first use; locations in the module docstring)
 # ---------------------------------------------------------------------------------------------
-TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names))  # score toy images only
-PRESETS = {"paper1": ("pickscore", "hpsv2", "clipscore", "aesthetic")}  # the first 4-reward setting
+PRESETS = {
+    "paper1": ("pickscore", "hpsv2", "clipscore", "aesthetic"),  # the paper's first setting
+    "toy2": ("size", "elongation", "outline", "texture"),  # the toy world's second setting
+}
+TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names, *PRESETS["toy2"]))
 CHUNK = 32  # images per reward-model forward
 
 

@@ -71,11 +71,12 @@ def check(args, names: list[str], judges: list[str] = ()) -> None:
     judge names), checked before anything is loaded; a BadInput naming the flag otherwise."""
     for flag, given in (("--rewards", names), ("--judges", judges)):
         toy = [n for n in given if n in rewards.TOY]
+        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
         if toy:
             raise BadInput(
                 flag,
                 f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
-                f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(rewards.PRESETS)})",
+                f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(real)})",
             )
     if not args.prompts_file:
         raise BadInput(

@@ -66,7 +66,7 @@ def test_imports_are_one_way():
     plumbing), kernels import only torch, triton and math, no benchmark imports a test file, and no
     cycle exists among the project's modules."""
     graph = _project_imports()
-    leaves = ("toyworld", "sd3world", "rewards", "modelzoo")
+    leaves = ("toyworld", "sd3world", "rewards", "modelzoo", "eval_images", "vlm_judge")
     assert {"recast", *leaves, "kernels.nft_loss"} <= set(graph)
     for leaf in leaves:
         assert not graph[leaf] & {"recast", "cli", "checkpoint", "plots"}, (leaf, graph[leaf])
@@ -205,6 +205,98 @@ def test_world_defects_are_common_clean_pictures_too():
         clean = ((s - s_plain).abs() < 0.05 * (s - s_plain).abs().max()).float().mean()
         assert 0.2 < clean < 0.5, (n, clean)
         assert (s.view(-1, 8).std(1) > 0).float().mean() > 0.9, n
+
+
+TOY2 = rewards.PRESETS["toy2"]
+FLAWS2 = ("shrunk", "stretched", "ragged", "mottled")  # one per setting-2 reward, in its order
+
+
+def _flawed2(k: int | None, seed: int = 0) -> torch.Tensor:
+    """Ideal renderings of the held-out prompts with setting 2's property k spoiled (None: none):
+    shrunk to 56 % of the area, stretched 1.4× across and squeezed along at the same area, a
+    ragged outline (the signed distance plus high-pass noise), or a mottled interior (colour
+    noise orthogonal to the object's colour, so its mask is untouched)."""
+    gen, bg = torch.Generator().manual_seed(seed), torch.tensor(tw.BACKGROUND)
+    out = []
+    for c, shape, p in tw.parse(P):
+        (cx, cy), colour = tw.POSITIONS[p], torch.tensor(tw.COLORS[c])
+        sdf = tw.shape_sdf(shape, torch.tensor([cx]), torch.tensor([cy]),
+                           torch.tensor([0.75 if k == 0 else 1.0]))[0]  # fmt: skip
+        if k == 2:
+            noise = torch.randn(1, tw.SIZE, tw.SIZE, generator=gen)
+            noise = (tw.blur(noise, 0.6) - tw.blur(noise, 2.0))[0]
+            sdf = sdf + 1.2 * noise / noise.std()
+        alpha = (0.5 - sdf).clamp(0, 1)
+        image = bg[:, None, None] + alpha * (colour - bg)[:, None, None]
+        if k == 3:
+            d = (colour - bg) / (colour - bg).norm()
+            u = torch.randn(3, tw.SIZE, tw.SIZE, generator=gen)
+            image = image + 0.15 * alpha * (u - (u * d[:, None, None]).sum(0) * d[:, None, None])
+        image = image.clamp(0, 1)
+        if k == 1:  # x' = cx + (x - cx)/1.4, y' = cy + 1.4 (y - cy), sampled bilinearly
+            xs = torch.arange(tw.SIZE) + 0.5
+            gx = (cx + (xs - cx) / 1.4) / tw.SIZE * 2 - 1
+            gy = (cy + (xs - cy) * 1.4) / tw.SIZE * 2 - 1
+            grid = torch.stack(torch.meshgrid(gy, gx, indexing="ij")[::-1], -1)[None]
+            image = torch.nn.functional.grid_sample(image[None], grid, align_corners=False,
+                                                    padding_mode="border")[0]  # fmt: skip
+        out.append(image * 2 - 1)
+    return torch.stack(out)
+
+
+@pytest.fixture(scope="module")
+def base_groups2():
+    """Setting 2's scores of base-model samples, 16 training prompts × 8 images: (K, 16, 8)."""
+    import recast
+
+    world = tw.ToyWorld(torch.device("cpu"))
+    prompts = [p for p in tw.TRAIN_PROMPTS[::4][:16] for _ in range(8)]
+    noise = torch.randn(len(prompts), *world.latent_shape,
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    x0, _ = recast.sample(lambda x, c, t: world.v("ref", x, c, t), noise, world.encode(prompts),
+                          world.sigmas(10))  # fmt: skip
+    ideal = torch.stack([rewards.get(n, "cpu")(tw.render(prompts), prompts) for n in TOY2])
+    scores = torch.stack([rewards.get(n, "cpu")(x0, prompts) for n in TOY2])
+    return scores.view(len(TOY2), -1, 8), ideal.view(len(TOY2), -1, 8)
+
+
+def test_setting2_rewards_have_headroom_spread_and_are_independent(base_groups2):
+    """What setting 2's four were chosen for (docs/toy_world.md#setting-2): the base model is
+    further below the ideal rendering than its own within-group spread, every reward spreads
+    within most groups, and within groups no two are correlated beyond 0.3 (16 groups: about
+    ± 0.09 of noise)."""
+    scores, ideal = base_groups2
+    spread = scores.std(2).mean(1)  # (K,) within a group of 8
+    headroom = ideal.mean((1, 2)) - scores.mean((1, 2))
+    assert (headroom > spread).all(), (headroom, spread)
+    assert ((scores.std(2) > 0).float().mean(1) > 0.9).all()
+    z = (scores - scores.mean(2, keepdim=True)) / (scores.std(2, keepdim=True) + 1e-8)
+    corr = torch.einsum("kgn,jgn->kj", z, z) / (z[0].numel() - z.shape[1])
+    off = corr - torch.diag(corr.diag())
+    assert off.abs().max() < 0.3, corr
+
+
+@pytest.mark.parametrize("k", range(4), ids=FLAWS2)
+def test_each_setting2_reward_measures_its_own_property(k, base_groups2):
+    """Flaw k lowers setting 2's reward k for every image and moves the other three by less than
+    a fifth as much, in units of each reward's spread within the base model's groups."""
+    fns = [rewards.get(n, "cpu") for n in TOY2]
+    clean, flawed = _flawed2(None), _flawed2(k)
+    drop = torch.stack([fn(clean, P) - fn(flawed, P) for fn in fns])  # (K, B), > 0: worse
+    assert (drop[k] > 0.1 * drop[k].mean()).all(), drop[k]
+    unit = base_groups2[0].std(2).mean(1)
+    effect = drop.mean(1) / unit
+    others = [j for j in range(4) if j != k]
+    assert effect[k] > 2 and (effect[others].abs() < 0.2 * effect[k]).all(), effect
+
+
+def test_ideal_rendering_scores_near_the_top_of_setting2():
+    images = tw.render(P)
+    assert rewards.size(images, P).abs().max() < 0.02  # the canonical area, anti-aliased
+    assert rewards.elongation(images, P).abs().max() < 0.02  # circle, square, triangle: isotropic
+    assert rewards.texture(images, P).abs().max() < 1e-4  # one flat colour
+    circles = [p for p in P if "circle" in p]
+    assert rewards.outline(tw.render(circles), circles).gt(-0.3).all()
 
 
 @pytest.mark.parametrize(
@@ -400,6 +492,35 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["base"]) == set(summary["final"]) == {*names, "shape", "iou"}
     assert json.loads((out / "args.json").read_text())["lam"] == "0.4,0.2,0.2,0.2"
+    # the final eval's images, in the eval set's order: rescoring them gives the logged eval
+    import eval_images
+
+    index, images = eval_images.load(str(out))
+    assert index["epoch"] == 2 and index["prompts"] == P and len(images) == len(P)  # 1 seed
+    assert images.shape[1:] == (3, tw.SIZE, tw.SIZE)
+    assert not (out / "eval_images.tmp").exists() and not (out / "eval_images.old").exists()
+    rescored = rewards.iou(images, index["prompts"]).mean().item()
+    assert abs(rescored - lines[2]["eval/iou"]) < 0.01, (rescored, lines[2]["eval/iou"])
+
+
+def test_setting2_trains_and_profiles(tmp_path, monkeypatch, capsys):
+    """--rewards toy2: the second setting's rewards train, with setting 1's as judges, and
+    --profile reports them."""
+    out = tmp_path / "run"
+    run_recast("--rewards", "toy2", "--lambda", "0.4,0.2,0.2,0.2", "--judges",
+               "shape,iou,position,color", *TINY, "--out", str(out))  # fmt: skip
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for n in rewards.PRESETS["toy2"]:
+        assert math.isfinite(lines[-1][f"reward/{n}"]) and f"gap/{n}" in lines[-1]
+    for n in ("shape", "iou", "position", "color"):
+        assert f"eval/{n}" in lines[0] and f"gap/{n}" in lines[-1]
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    recast.main(["--rewards", "toy2", "--lambda", "0.25,0.25,0.25,0.25", "--profile",
+                 "--prompts", "4", "--group-size", "4", "--out", str(tmp_path / "p")])  # fmt: skip
+    assert "outline" in capsys.readouterr().out
+    check_profile(tmp_path / "p", list(rewards.PRESETS["toy2"]), [0.25] * 4, 10, 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +556,7 @@ BAD_INPUT = [
         "--gain-shift",
     ),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "sum"], "--gain-shift"),
+    (["--lambda", "0.4,0.2,0.2", "--rewards", "toy2"], "--lambda"),  # the preset has four
 ]
 
 
@@ -977,6 +1099,10 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     base = ["--model", sd3_dir, "--out", out, "--resolution", "32", "--device", "cpu"]
     err = recast_exit(capsys, *base, "--lambda", "1,1,1,1", "--prompts-file", prompts_file)
     assert "--rewards" in err and "toy" in err and "paper1" in err
+    err = recast_exit(capsys, *base, "--rewards", "toy2", "--lambda", "1,1,1,1",
+                      "--prompts-file", prompts_file)  # fmt: skip
+    assert "error: --rewards" in err and "size, elongation, outline, texture score" in err
+    assert "(paper1)" in err  # the presets that suit a real model, not toy2
     sd3 = [*base, "--rewards", "pickscore,aesthetic", "--lambda", "1,1"]
     assert "error: --prompts-file" in recast_exit(capsys, *sd3)
     empty = tmp_path / "empty.txt"

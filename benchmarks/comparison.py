@@ -64,7 +64,9 @@ from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import eval_images  # noqa: E402
 import reward_profile  # noqa: E402
+from benchmarks.judge import prefer_by_distance, preference_rate, toy_distances  # noqa: E402
 from benchmarks.summarize import mean_std, spearman  # noqa: E402
 from checkpoint import read_metrics  # noqa: E402
 from toyworld import ToyWorld  # noqa: E402
@@ -87,6 +89,20 @@ ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ =
 NAMES = list(ToyWorld.reward_names)
 JUDGES = list(ToyWorld.judge_names)
 EVAL_EVERY = 2
+# The two settings side by side (#32): setting 2 (--rewards toy2) with setting 1's rewards among its
+# judges, setting 1 rerun as shipped with setting 2's rewards among its judges; every run keeps its
+# final eval images for the pairwise judge (benchmarks/judge.py).
+TOY2 = ["size", "elongation", "outline", "texture"]  # rewards.PRESETS["toy2"]
+JUDGES1, JUDGES2 = [*JUDGES, *TOY2], [*JUDGES, *NAMES]
+SETTING1 = ["--judges", ",".join(JUDGES1)]
+SETTING2 = ["--rewards", "toy2", "--judges", ",".join(JUDGES2)]
+ARMS.update({
+    "s1-uniform": [*SETTING1, "--weighting", "uniform"],
+    "s1-recast": [*SETTING1, *SHIPPED],
+    "s2-uniform": [*SETTING2, "--weighting", "uniform"],
+    "s2-recast": [*SETTING2, *SHIPPED],
+    "s2-sum": [*SETTING2, "--weighting", "sum"],
+})  # fmt: skip
 
 
 STUDIES = {  # study → its arms (uniform first: every arm is paired with it) and its other pairs
@@ -130,6 +146,18 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
         ],  # fmt: skip
         "budgets": ["0.4,0.2,0.2,0.2"],
     },
+    "setting1": {  # setting 1 rerun as shipped, eval images kept; reproduces the archive's runs
+        "arms": ["s1-uniform", "s1-recast"],
+        "pairs": [],
+        "judges": JUDGES1,
+        "reproduces": {"s1-uniform": "uniform", "s1-recast": "recast-shift1"},
+    },
+    "setting2": {  # the pre-registered test in a setting nothing was tuned on (docs/results.md)
+        "arms": ["s2-uniform", "s2-recast", "s2-sum"],
+        "pairs": [],
+        "names": TOY2,
+        "judges": JUDGES2,
+    },
 }
 REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
 REPRODUCE_TOL = 1e-5  # the shift study's protocol (docs/results.md)
@@ -161,6 +189,18 @@ def compact(lines: list[dict]) -> list[dict]:
         c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/", "W"))})
         out.append(c)
     return out
+
+
+def record(path: str) -> list[dict]:
+    """A finished run folder's compact lines; where it kept its final eval images, their
+    pairwise-judge distances (1 − SSIM to the ideal rendering, benchmarks/judge.py) ride on the
+    last line as judge/distance, so preferences can be recomputed without the images."""
+    lines = compact(read_metrics(path))
+    if os.path.isdir(os.path.join(path, eval_images.FOLDER)):
+        index, images = eval_images.load(path)
+        distance = toy_distances(images, index["prompts"])
+        lines[-1]["judge/distance"] = [round(d, 5) for d in distance.tolist()]
+    return lines
 
 
 def read_archive(path: str) -> dict[str, list[dict]]:
@@ -203,8 +243,15 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
 
 
 def run(args) -> None:
-    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     arms, budgets = STUDIES[args.study]["arms"], STUDIES[args.study].get("budgets", BUDGETS)
+    if getattr(args, "arms", ""):  # this sitting runs only these arms (setting 2's uniform check)
+        wrong = [a for a in args.arms.split(",") if a not in arms]
+        if wrong:
+            print(f"comparison.py: error: --arms: {', '.join(wrong)} not in study {args.study} "
+                  f"({', '.join(arms)})", file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        arms = args.arms.split(",")
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     everything = plan(args.seeds, arms, budgets)
     have = finished(args, arms)  # a folder's or the archive's
     keys = [key for key in everything if key not in have]
@@ -261,20 +308,24 @@ def finished(args, arms: list[str]) -> dict[tuple, list[dict]]:
     for key in plan(args.seeds, arms):
         path = folder(args.out, *key)
         if done(path):
-            res[key] = compact(read_metrics(path))
+            res[key] = record(path)
         elif os.path.basename(path) in kept:
             res[key] = kept[os.path.basename(path)]
     return res
 
 
-METRICS = [f"gap/{n}" for n in NAMES] + [f"eval/{n}" for n in JUDGES]  # per reward, per judge
+def metrics_of(study: dict) -> list[str]:
+    """Every training reward's gap and every judge's final score: what the rule is applied to."""
+    names, judges = study.get("names", NAMES), study.get("judges", JUDGES)
+    return [f"gap/{n}" for n in names] + [f"eval/{n}" for n in judges]
 
 
-def rule_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], dict[str, list[str]]]:
+def rule_lines(fin, seeds, budgets, a: str, b: str,
+               metrics: list[str]) -> tuple[list[str], dict[str, list[str]]]:  # fmt: skip
     """The pre-registered rule applied per budget to every training reward's gap and every judge's
     final score, a − b paired within seeds: one line per metric, and metric → verdict per budget."""
     lines, words = [], {}
-    for metric in METRICS:
+    for metric in metrics:
         ds = [paired([fin[lam, a, s][metric] for s in seeds[lam]],
                      [fin[lam, b, s][metric] for s in seeds[lam]]) for lam in budgets]  # fmt: skip
         words[metric] = [verdict(d, se) for d, se in ds]
@@ -363,9 +414,58 @@ def decide(gap, budgets, judge_words, partial: bool) -> list[str]:
     return out
 
 
+def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> list[str]:
+    """The pairwise judge (benchmarks/judge.py) on the final eval images: per seed, the share of
+    the eval pairs in which a's image is preferred (a tie counts half) minus ½, and the same rule
+    per budget. Runs archived without their images' distances have no line."""
+    per = {}
+    for lam in budgets:
+        pairs = [(fin[lam, a, s].get("judge/distance"), fin[lam, b, s].get("judge/distance"))
+                 for s in seeds[lam]]  # fmt: skip
+        if pairs and all(da and db for da, db in pairs):
+            per[lam] = [preference_rate(prefer_by_distance(torch.tensor(da), torch.tensor(db)))
+                        - 0.5 for da, db in pairs]  # fmt: skip
+    if not per:
+        return []
+    ds = {lam: paired(v, [0.0] * len(v)) for lam, v in per.items()}
+    words = [verdict(d, se) for d, se in ds.values()]
+    counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss"))
+    each = "; ".join(f"{d + 0.5:.3f} ({d:+.3f} ± {se:.3f}) {w}"
+                     for (d, se), w in zip(ds.values(), words, strict=True))  # fmt: skip
+    return [f"- {a} over {b}, pairwise judge (preference rate; − ½ ± SE): {counts} ({each})"]
+
+
+def reproduction_lines(args, res, seeds, study: dict) -> list[str]:
+    """Each rerun arm's eval/gap values at every eval against the archived run it repeats (same
+    budget and seed; the values both have), the largest difference per arm against
+    REPRODUCE_TOL."""
+    kept = read_archive(args.archive)
+    out = ["", f"Reproduction of the archived runs (every eval/gap value both have, tolerance "
+           f"{REPRODUCE_TOL:g}):", ""]  # fmt: skip
+    for arm, archived in study["reproduces"].items():
+        worst, over, n = 0.0, [], 0
+        for lam in seeds:
+            for s in seeds[lam]:
+                old = kept.get(os.path.basename(folder("", lam, archived, s)))
+                if old is None:
+                    continue
+                new = evals(res[lam, arm, s])
+                diffs = [abs(x[k] - y[k]) for x, y in zip(new, evals(old), strict=True)
+                         for k in y if k.startswith(("eval/", "gap/")) and k in x]  # fmt: skip
+                n += 1
+                worst = max(worst, max(diffs))
+                if max(diffs) > REPRODUCE_TOL:
+                    over.append(f"{lam} s{s} ({max(diffs):.1e})")
+        beyond = f"beyond the tolerance: {', '.join(over)}" if over else "all within"
+        out.append(f"- {arm} against {archived}: {n} runs, largest difference {worst:.1e}; "
+                   + beyond)  # fmt: skip
+    return out
+
+
 def report(args) -> None:
     study = STUDIES[args.study]
     arms, out_dir = study["arms"], os.path.join(args.out, args.study)
+    base, names, judges = arms[0], study.get("names", NAMES), study.get("judges", JUDGES)
     os.makedirs(out_dir, exist_ok=True)
     res = finished(args, arms)
     seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
@@ -378,26 +478,26 @@ def report(args) -> None:
     budgets = [lam for lam in seeds if seeds[lam]]
     gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
            for lam in budgets for a in arms}  # fmt: skip
-    rows = ["| λ | arm | seeds | λ-weighted gap | vs uniform (paired) | verdict | "
-            + " | ".join(NAMES) + " | " + " | ".join(JUDGES)
-            + " | epochs to 90% of uniform | seconds to 90% |",
-            "|---" * (10 + len(NAMES) + len(JUDGES) - 2) + "|"]  # fmt: skip
+    rows = [f"| λ | arm | seeds | λ-weighted gap | vs {base} (paired) | verdict | "
+            + " | ".join(names) + " | " + " | ".join(judges)
+            + f" | epochs to 90% of {base} | seconds to 90% |",
+            "|---" * (10 + len(names) + len(judges) - 2) + "|"]  # fmt: skip
     summary = {a: [] for a in arms}  # (diff, se) per budget
     for lam in budgets:
         ss = seeds[lam]
-        target = 0.9 * statistics.fmean(gap[lam, "uniform"])
+        target = 0.9 * statistics.fmean(gap[lam, base])
         for a in arms:
-            diff, se = paired(gap[lam, a], gap[lam, "uniform"])
-            if a != "uniform":
+            diff, se = paired(gap[lam, a], gap[lam, base])
+            if a != base:
                 summary[a].append((diff, se))
             reach = [to_reach(res[lam, a, s], target) for s in ss]
             cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[lam, a])),
-                     "" if a == "uniform" else f"{diff:+.3f} ± {se:.3f}",
-                     "" if a == "uniform" else verdict(diff, se)]  # fmt: skip
+                     "" if a == base else f"{diff:+.3f} ± {se:.3f}",
+                     "" if a == base else verdict(diff, se)]  # fmt: skip
             cells += ["{:+.2f}".format(statistics.fmean(fin[lam, a, s][f"gap/{n}"] for s in ss))
-                      for n in NAMES]  # fmt: skip
+                      for n in names]  # fmt: skip
             cells += ["{:.3f}".format(statistics.fmean(fin[lam, a, s][f"eval/{n}"] for s in ss))
-                      for n in JUDGES]  # fmt: skip
+                      for n in judges]  # fmt: skip
             cells += [f"{statistics.median(e for e, _ in reach):.0f}",
                       f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
@@ -411,42 +511,46 @@ def report(args) -> None:
         )
         lines += [note, ""]
     lines += [*rows, ""]
-    lines.append("Across the budgets (arm beats uniform: wins in ≥ 3 budgets and loses in none):")
+    lines.append(f"Across the budgets (arm beats {base}: wins in ≥ 3 budgets and loses in none):")
     lines.append("")
     for a, ds in summary.items():
-        if a == "uniform" or not ds:
+        if a == base or not ds:
             continue
         words = [verdict(d, se) for d, se in ds]
         counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss", "n/a"))
         mean_diff = statistics.fmean(d for d, _ in ds)
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
-                     f"{'beats' if beats(words) else 'does not beat'} uniform"
+                     f"{'beats' if beats(words) else 'does not beat'} {base}"
                      + (" (so far)" if partial else ""))  # fmt: skip
-    lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
+    if study["pairs"]:
+        lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
     for a, b, why in study["pairs"]:
         for lam in budgets:
             d, se = paired(gap[lam, a], gap[lam, b])
             lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
     lines += ["", "Per training reward (gap closed) and per held-out judge (final score), the same "
               "rule per budget (" + ", ".join(budgets) + "):", ""]  # fmt: skip
-    judge_words = {}
+    judge_words, metrics = {}, metrics_of(study)
     for a in arms[1:]:
-        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, "uniform")
+        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, base, metrics)
         lines += more
+        lines += pairwise_lines(fin, seeds, budgets, a, base)
     for a, b, _ in study["pairs"]:
-        lines += rule_lines(fin, seeds, budgets, a, b)[0]
+        lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
     if args.study == "shift":
         lines += decide(gap, budgets, judge_words, partial)
     if args.study == "scoring":
         lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
-    lines += ["", "Does W's distance from uniform predict the gain? Per budget: the mean final "
-              "W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
-              "uniform" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
+    if "reproduces" in study:
+        lines += reproduction_lines(args, res, seeds, study)
+    lines += ["", f"Does W's distance from uniform predict the gain? Per budget: the mean final "
+              f"W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
+              f"{base}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
               ""]  # fmt: skip
-    for a in (a for a in arms if a.startswith("recast")):
+    for a in (a for a in arms if "recast" in a):
         far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
                for lam in budgets]  # fmt: skip
-        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, "uniform"])
+        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, base])
                 for lam in budgets]  # fmt: skip
         each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))
         rho = (
@@ -455,29 +559,29 @@ def report(args) -> None:
             else ""
         )
         lines.append(f"- {a}: {each}{rho}")  # one budget: no relation to rank
-    lines += ["", "Has uniform's curve flattened? Its λ-weighted gap's change between its last "
+    lines += ["", f"Has {base}'s curve flattened? Its λ-weighted gap's change between its last "
               "three evals (mean over seeds):", ""]  # fmt: skip
     for lam in budgets:
-        late = [[m["gap/weighted"] for m in evals(res[lam, "uniform", s])[-3:]] for s in seeds[lam]]
+        late = [[m["gap/weighted"] for m in evals(res[lam, base, s])[-3:]] for s in seeds[lam]]
         steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
         lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
-    ses = [se for se in (s for _, s in summary.get("recast-tau1", [])) if se == se]
+    ses = [se for se in (s for _, s in summary.get(arms[1], [])) if se == se]
     if ses:
-        lines.append(f"\nResolvable difference (2 × the median paired SE of recast-tau1 over the "
+        lines.append(f"\nResolvable difference (2 × the median paired SE of {arms[1]} over the "
                      f"budgets): {2 * statistics.median(ses):.3f}")  # fmt: skip
-    base = next(iter(res.values()))[0]
+    first = next(iter(res.values()))[0]
     lines.append(
-        "\nBase model: " + ", ".join(f"{n} {base[f'eval/{n}']:+.3f}" for n in NAMES + JUDGES)
+        "\nBase model: " + ", ".join(f"{n} {first[f'eval/{n}']:+.3f}" for n in names + judges)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(res, fin, gap, seeds, arms, out_dir)
+    plot(res, fin, gap, seeds, arms, out_dir, names)
     print("\n".join(lines))
     print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
 
 
-def plot(res, fin, gap, seeds, arms: list[str], out_dir: str) -> None:
+def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) -> None:
     budgets = list(dict.fromkeys(lam for lam, _ in gap))
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
                              squeeze=False)  # fmt: skip
@@ -495,22 +599,22 @@ def plot(res, fin, gap, seeds, arms: list[str], out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
     plt.close(fig)
 
-    dosed = [a for a in arms if a not in ("uniform", "sum")]
+    base, dosed = arms[0], [a for a in arms[1:] if not a.endswith("sum")]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for j, lam in enumerate(budgets):
-        ds = [paired(gap[lam, a], gap[lam, "uniform"]) for a in dosed]
+        ds = [paired(gap[lam, a], gap[lam, base]) for a in dosed]
         x = [i + 0.08 * (j - 2) for i in range(len(dosed))]
         ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
                     fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
     ax.axhline(0, color="grey", lw=0.6)
     ax.set_xticks(range(len(dosed)), dosed, fontsize=8, rotation=15)
-    ax.set_ylabel("gap closed − uniform's (± 2 SE)")
+    ax.set_ylabel(f"gap closed − {base}'s (± 2 SE)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "dose.png"), dpi=110)
     plt.close(fig)
 
-    shown = [a for a in arms if a != "sum"]
+    shown = [a for a in arms if not a.endswith("sum")]
     size = (2.4 * len(budgets), 1.5 * len(shown))
     fig, axes = plt.subplots(len(shown), len(budgets), figsize=size, squeeze=False)
     for i, a in enumerate(shown):
@@ -519,7 +623,7 @@ def plot(res, fin, gap, seeds, arms: list[str], out_dir: str) -> None:
             ax = axes[i][j]
             ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
             ax.set_xticks([])
-            ax.set_yticks(range(len(NAMES)), NAMES if j == 0 else [], fontsize=6)
+            ax.set_yticks(range(len(names)), names if j == 0 else [], fontsize=6)
             if i == 0:
                 ax.set_title(f"λ = {lam}", fontsize=7)
             if j == 0:
@@ -583,6 +687,9 @@ if __name__ == "__main__":
                     help="the checkout whose recast.py `run` runs: a sweep keeps one commit from "
                          "its first run to its last (docs/results.md names it)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
+    ap.add_argument(
+        "--arms", default="", help="run: only these arms of the study (comma-separated)"
+    )
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()

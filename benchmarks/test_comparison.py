@@ -186,3 +186,93 @@ def test_scoring_study_reports_w_error_per_epoch(sweep):
     assert "- λ = 0.4,0.2,0.2,0.2, recast-every2: epoch 1 0.000, " in table
     assert "the noise floor (full scoring, seed against seed, every epoch): mean 0.000" in table
     assert os.path.getsize(os.path.join(sweep.out, "scoring", "w_error.png")) > 0
+
+
+def fake_setting_run(path: str, arm: str, seed: int, images=None, bump: float = 0.0) -> None:
+    """A finished run of a settings study (#32): setting 1's or 2's rewards and judges, an eval
+    every 2 epochs up to 4, and its final eval images when given."""
+    import eval_images
+    import toyworld as tw
+
+    study = cmp.STUDIES["setting2" if arm.startswith("s2") else "setting1"]
+    names = study.get("names", cmp.NAMES) + study["judges"]
+    os.makedirs(path)
+    final = 0.30 + 0.02 * seed + bump
+    lines = [{"epoch": 0, **{f"eval/{n}": -1.0 for n in names}}]
+    for epoch in range(1, 5):
+        m = {"epoch": epoch, "time/update": 2.0, "W": [[0.025] * 10] * 4}
+        if epoch % 2 == 0:
+            m.update({f"eval/{n}": -1.0 + epoch / 10 for n in names})
+            m.update({f"gap/{n}": epoch / 40 for n in names})
+            m["gap/weighted"] = final * epoch / 4
+        lines.append(m)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+    if images is not None:
+        prompts = tw.HELDOUT_PROMPTS[:4]
+        index = {"epoch": 4, "prompts": prompts, "noise_sha256": "same"}
+        eval_images.save(path, images(prompts), 0, index, rank=0)
+
+
+def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_path):
+    """Setting 2: ReCAST's eval images are the ideal renderings, uniform's blurred ones: the
+    pairwise judge prefers ReCAST's in every pair of every seed (a win in every budget) and
+    sum's not at all; the distances ride in the archive. Setting 1: the reruns against the
+    archived runs they repeat, one of them off by 1e-4."""
+    import toyworld as tw
+
+    ideal = tw.render
+    blurred = lambda p: tw.blur(tw.render(p).flatten(0, 1), 1.5).view(len(p), 3, 32, 32)  # noqa: E731
+    out = tmp_path / "sweep"
+    for lam in cmp.BUDGETS:
+        for seed in (0, 1):
+            for arm, images, bump in (("s2-uniform", blurred, 0.0), ("s2-recast", ideal, 0.01),
+                                      ("s2-sum", blurred, 0.0), ("s1-uniform", None, 0.0),
+                                      ("s1-recast", None, 0.0), ("uniform", None, 0.0),
+                                      ("recast-shift1", None, 0.0)):  # fmt: skip
+                fake_setting_run(cmp.folder(str(out), lam, arm, seed), arm, seed, images, bump)
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2,
+                              code=cmp.ROOT, study="setting2")  # fmt: skip
+    cmp.report(args)
+    table = open(os.path.join(str(out), "setting2", "table.md")).read()
+    assert "| λ | arm | seeds | λ-weighted gap | vs s2-uniform (paired) | verdict | size |" in table
+    assert (
+        "- s2-recast: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.010; beats s2-"
+        in table
+    )
+    assert "- s2-recast − s2-uniform, eval/position: 0 win, 5 tie, 0 loss" in table  # a judge
+    assert "- s2-recast − s2-uniform, gap/outline: 0 win, 5 tie, 0 loss" in table
+    assert "- s2-recast over s2-uniform, pairwise judge (preference rate; − ½ ± SE): 5 win, " in (
+        table
+    )
+    assert "1.000 (+0.500 ± 0.000) win" in table
+    assert "- s2-sum over s2-uniform, pairwise judge (preference rate; − ½ ± SE): 0 win, 5 tie" in (
+        table
+    )
+    cmp.archive(args)
+    kept = cmp.read_archive(args.archive)
+    name = os.path.basename(cmp.folder("", cmp.BUDGETS[0], "s2-recast", 0))
+    assert len(kept[name][-1]["judge/distance"]) == 4  # 8-bit PNGs of the ideal: about 0
+    assert max(kept[name][-1]["judge/distance"]) < 1e-3
+    shutil.rmtree(os.path.join(str(out), "runs"))  # the archive alone rebuilds the same table
+    os.remove(os.path.join(str(out), "setting2", "table.md"))
+    cmp.report(args)
+    assert open(os.path.join(str(out), "setting2", "table.md")).read() == table
+
+    # setting 1: the reruns repeat the archived runs; one value of one run is off by 1e-4
+    path = cmp.folder("", cmp.BUDGETS[1], "recast-shift1", 1)
+    lines = kept[os.path.basename(path)]
+    lines[-1]["eval/iou"] += 1e-4
+    with open(args.archive, "w") as f:
+        f.writelines(json.dumps({"run": k, "lines": v}) + "\n" for k, v in kept.items())
+    args.study = "setting1"
+    cmp.report(args)
+    table = open(os.path.join(str(out), "setting1", "table.md")).read()
+    assert "- s1-uniform against uniform: 10 runs, largest difference 0.0e+00; all within" in table
+    assert (
+        "- s1-recast against recast-shift1: 10 runs, largest difference 1.0e-04; beyond the "
+        in (table)
+    )
+    assert "0.2,0.4,0.2,0.2 s1 (1.0e-04)" in table

@@ -64,15 +64,43 @@ Value checks
 Shapes, dtypes, devices and the float arguments are always checked. The values of t_index (in
 [0, T)) are checked only where that costs no synchronisation: for CPU tensors, or on CUDA when
 CHECK_VALUES is True (`kernels.nft_loss.CHECK_VALUES = True`, a debugging switch: each call then
-blocks the host until the GPU has caught up). Without the check, a row whose t_index lies outside
+blocks the host until the GPU has caught up), and never while torch.compile traces or on meta and
+fake tensors, which have no values to read. Without the check, a row whose t_index lies outside
 [0, T) gets a NaN loss and a NaN gradient (W is never read out of bounds), so the loss is NaN.
 t is not checked to lie in (0, 1], nor r in [0, 1].
+
+Tracing, torch.compile and memory plans
+---------------------------------------
+Launches 1-2 and launch 3 are also wrapped as two torch.library custom operators,
+recast::nft_loss_forward (the loss and the (N, 2) coefficients) and recast::nft_loss_backward (the
+gradient), each with a fake implementation: the same Python code with the same allocations (copies
+of inputs that have no (N, D) view, the (N, 5, n_chunks) partial sums, the coefficients, the loss,
+the gradient), minus the launches. A call that is traced rather than run goes through them: under
+torch.compile, under a TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on meta or
+fake tensors. Hence:
+- torch.compile(fullgraph=True) of a step that calls nft_loss has no graph break (Dynamo traces
+  the autograd.Function; the operators are nodes of its forward and backward graphs), with dynamic
+  shapes too, and the compiled loss and gradient equal the eager ones bit for bit;
+- under FakeTensorMode and on meta tensors, forward and backward run the fake implementations:
+  shapes and dtypes, no launch, no value read. Meta tensors take this path even where the kernels
+  cannot run (no GPU, no TRITON_INTERPRET), so a memory plan made on meta tensors counts the
+  kernels' buffers and what the backward keeps (vθ, v_old, x0, ε, v_ref themselves, and the
+  coefficients), not the reference's intermediates. (A tracer that watches the dispatcher, such
+  as MemTracker, sees an operator's outputs, not the temporaries it frees within the call.) On
+  meta, as in the interpreter, rows are chunked as on an 8-SM GPU: the partial sums (at most
+  N × 1.25 KiB) are smaller than on a GPU.
+An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
+host time to a forward + backward (measured on a 2-core CPU). Needs torch >= 2.4
+(torch.library.custom_op). Inductor sees each operator as one opaque call: torch.library.triton_op
+would let it see the launches, but under TRITON_INTERPRET its fake implementation would run the
+interpreter on tensors without data.
 
 Dtypes and layouts
 ------------------
 vθ, v_old, x0, ε, v_ref: fp32, bf16 or fp16, one dtype and device, any shape (N, ...). They are
 viewed as (N, D) with reshape(N, -1), which copies only when no such view exists (e.g. channels-last
-tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous.
+tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous. Such
+copies are made in the forward and again in the backward: the inputs, not the copies, are saved.
 Rows may be strided (e.g. x[::2]): no copy. All arithmetic is fp32. t: (N,) float, t_index: (N,)
 integer, r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32 scalar.
 reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the plain-PyTorch
@@ -90,7 +118,8 @@ Where it was checked
 Checked against reference_nft_loss under TRITON_INTERPRET=1 on CPU (fp32, bf16, fp16; realistic,
 odd and multi-chunk shapes; strided views) and compiled ahead of time for sm_80 and sm_90 with
 triton.compile; on one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the
-ReCAST repository has the timings).
+ReCAST repository has the timings). torch.compile (backends eager and aot_eager), FakeTensorMode
+and meta tensors were checked on CPU (torch 2.13), not yet on a GPU.
 
 Limits
 ------
@@ -104,6 +133,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernels below are interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -119,19 +149,21 @@ _ROWS_TILE = 1024  # (rows × chunks) elements per tile of launch 2
 _NUM_WARPS = 4
 
 
-def _values_readable(x: torch.Tensor) -> bool:
-    """Whether the host can read x's values now. Not while torch.compile traces (reading one is a
-    data-dependent guard: a graph break, or an error under fullgraph=True), and not for a meta or
-    fake tensor (FakeTensorMode, a memory plan): they have no values. Such calls skip the value
-    checks and get what CUDA gives without CHECK_VALUES; shapes and dtypes are still checked."""
-    return not (torch.compiler.is_compiling() or x.is_meta or is_fake(x))
+def _traced(x: torch.Tensor) -> bool:
+    """Whether a call on x is traced rather than run: under torch.compile, under a
+    TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on a tensor without data
+    (meta, fake). A traced call reads no value (under torch.compile a read is a data-dependent
+    guard: a graph break, an error with fullgraph=True; meta and fake tensors have none), so it
+    skips the value checks and gets what CUDA gives without CHECK_VALUES; and it launches through
+    the custom operators below, which tracing sees and runs as fake implementations."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or x.is_meta or is_fake(x)
 
 
 def _check_inputs(
     v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
 ) -> tuple[int, int]:
     """Raise ValueError naming the offending argument; return (N, T). Reads no device value
-    unless the tensors are real and on the CPU, or CHECK_VALUES is set (see _values_readable)."""
+    unless the call runs on CPU tensors or CHECK_VALUES is set, and is not traced (_traced)."""
     if not isinstance(v_theta, torch.Tensor) or v_theta.ndim < 1 or v_theta.shape[0] == 0:
         raise ValueError("v_theta must be a tensor of shape (N, ...) with N > 0")
     if v_theta.dtype not in _FLOAT_DTYPES:
@@ -171,7 +203,7 @@ def _check_inputs(
         raise ValueError(f"adv_clip_max must be finite and > 0, got {adv_clip_max}")
     if not 0 <= kl_coef < math.inf:
         raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    if (device.type == "cpu" or CHECK_VALUES) and _values_readable(t_index):  # else a sync
+    if (device.type == "cpu" or CHECK_VALUES) and not _traced(t_index):  # CUDA: a sync
         if bool(((t_index < 0) | (t_index >= n_steps)).any()):
             raise ValueError(f"t_index must lie in [0, T) with T = W.shape[1] = {n_steps}")
     return n, n_steps
@@ -473,13 +505,9 @@ def _guard(x: torch.Tensor):
     return torch.cuda.device(x.device.index if x.is_cuda else -1)
 
 
-# The launches run inside two torch.library custom operators, each with a fake implementation, and
-# the backward is the forward's autograd formula. torch.compile keeps the operators as single nodes
-# of its graph (no graph break), and meta tensors, FakeTensorMode and the tracing of torch.compile
-# run the fake implementations: the same code with the same allocations, and no launch. A memory
-# plan made on meta tensors thus counts the kernels' buffers. (torch.library.triton_op would let
-# Inductor see into the launches, but under TRITON_INTERPRET its fake implementation runs the
-# interpreter on tensors that hold no data.)
+# Launches 1-2 and launch 3 as torch.library custom operators, each with a fake implementation (the
+# same code and allocations, no launch); _NFTLoss goes through them when the call is traced, and
+# calls their code directly otherwise (see "Tracing, torch.compile and memory plans" above).
 
 
 def _nft_forward_impl(
@@ -589,24 +617,27 @@ def _nft_backward_fake(*args):
     return _nft_backward_impl(*args, False)
 
 
-def _nft_setup_context(ctx, inputs, output):
-    v_theta, v_old, x0, noise = inputs[:4]
-    v_ref, kl_coef = inputs[10:]
-    ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)  # no zero gradient is made for the coefficients
-    ctx.kl_coef = kl_coef
-    if ctx.needs_input_grad[0]:  # saves nothing when only another input asks for a gradient
-        ctx.save_for_backward(v_theta, v_old, x0, noise, v_ref, output[1])
+class _NFTLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl, save):
+        args = (v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip, v_ref, kl)
+        if _traced(v_theta):
+            loss, coefs = _nft_forward(*args)
+        else:
+            loss, coefs = _nft_forward_impl(*args, True)
+        ctx.kl_coef = kl if save else None  # None: nothing saved, no backward
+        if save:  # the inputs themselves: the backward makes the (N, D) rows again
+            ctx.save_for_backward(v_theta, v_old, x0, noise, v_ref, coefs)
+        return loss
 
-
-def _nft_backward_formula(ctx, grad_loss, grad_coefs):
-    if grad_loss is None or not ctx.needs_input_grad[0]:
-        return (None,) * 12
-    grad = _nft_backward(grad_loss, *ctx.saved_tensors, ctx.kl_coef)
-    return (grad,) + (None,) * 11
-
-
-_nft_forward.register_autograd(_nft_backward_formula, setup_context=_nft_setup_context)
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        if ctx.kl_coef is None:  # v_theta needs no gradient (another input asked for one)
+            return (None,) * 13
+        args = (grad_output, *ctx.saved_tensors, ctx.kl_coef)
+        grad = _nft_backward(*args) if _traced(grad_output) else _nft_backward_impl(*args, True)
+        return (grad,) + (None,) * 12
 
 
 def nft_loss(
@@ -627,8 +658,8 @@ def nft_loss(
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
     reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES). Meta tensors
-    take the kernels' path without launching them (for memory plans), as do fake tensors of a
-    device where the kernels run; torch.compile(fullgraph=True) traces it without a break.
+    take the kernels' path without launching them (for memory plans), as do fake tensors where
+    the kernels would run; torch.compile(fullgraph=True) traces it without a graph break.
     """
     beta, adv_clip_max, kl_coef = float(beta), float(adv_clip_max), float(kl_coef)  # the ops' types
     _check_inputs(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef)
@@ -636,10 +667,10 @@ def nft_loss(
         return _reference_loss(
             v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
         )
-    loss, _ = _nft_forward(
-        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef
+    save = torch.is_grad_enabled() and v_theta.requires_grad
+    return _NFTLoss.apply(
+        v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max, v_ref, kl_coef, save
     )
-    return loss
 
 
 if __name__ == "__main__":

@@ -58,9 +58,21 @@ Value checks
 ------------
 Shapes, dtypes and the arguments are always checked. That the scores are finite is checked only
 where it costs no synchronisation: for CPU tensors, or on CUDA when CHECK_VALUES is True
-(`kernels.renyi.CHECK_VALUES = True`, a debugging switch). Without it, a NaN or inf among the final
+(`kernels.renyi.CHECK_VALUES = True`, a debugging switch), and never while torch.compile traces or
+on meta and fake tensors, which have no values to read. Without it, a NaN or inf among the final
 scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
 (the step-0 scores are never read: D[k, 0] is 0 by definition).
+
+Tracing, torch.compile and memory plans
+---------------------------------------
+The launch runs inside a torch.library custom operator, recast::renyi_gains, whose fake
+implementation makes the same two outputs and launches nothing. torch.compile(fullgraph=True)
+keeps it as one node of its graph (no graph break; D and the gains equal eager's bit for bit), and
+FakeTensorMode and meta tensors run the fake implementation: D (K, T+1) and gains (K, T), fp32,
+no launch, no value read. Meta tensors take this path even where the kernel cannot run (no GPU, no
+TRITON_INTERPRET). group_optimality and the W functions are plain PyTorch and trace as they are
+(recast_weights runs on the CPU in float64 and reads values: it is not meant to be traced). Needs
+torch >= 2.4 (torch.library.custom_op).
 
 Precision on a GPU
 ------------------
@@ -71,7 +83,8 @@ same algorithm run in fp32 on the CPU, plus 64 fp32 ulp scaled by (1 + α)/|α -
 divergence amplifies a log-ratio error; 1 for KL). Checked against reference_renyi_gains under
 TRITON_INTERPRET=1 on CPU and compiled ahead of time for sm_80 and sm_90 with triton.compile; on
 one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the ReCAST repository has
-the timings).
+the timings). torch.compile (backends eager and aot_eager), FakeTensorMode and meta tensors were
+checked on CPU (torch 2.13), not yet on a GPU.
 
 Limits
 ------
@@ -85,6 +98,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates, i.e. when this module is imported: the
 # kernel below is interpreted (and can run on CPU tensors) exactly when this flag is set.
@@ -100,12 +114,13 @@ _TILE = 1024  # elements per (groups × members) tile
 _NUM_WARPS = 4
 
 
-def _values_readable(x: torch.Tensor) -> bool:
-    """Whether the host can read x's values now. Not while torch.compile traces (reading one is a
-    data-dependent guard: a graph break, or an error under fullgraph=True), and not for a meta or
-    fake tensor (FakeTensorMode, a memory plan): they have no values. Such calls skip the value
-    checks and get what CUDA gives without CHECK_VALUES; shapes and dtypes are still checked."""
-    return not (torch.compiler.is_compiling() or x.is_meta or is_fake(x))
+def _traced(x: torch.Tensor) -> bool:
+    """Whether a call on x is traced rather than run: under torch.compile, under a
+    TorchDispatchMode (FakeTensorMode, make_fx, a memory tracer), or on a tensor without data
+    (meta, fake). A traced call reads no value (under torch.compile a read is a data-dependent
+    guard: a graph break, an error with fullgraph=True; meta and fake tensors have none), so it
+    skips the value checks and gets what CUDA gives without CHECK_VALUES."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or x.is_meta or is_fake(x)
 
 
 def _check_group_size(n: int, group_size: int) -> None:
@@ -145,7 +160,7 @@ def group_optimality(
         raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
     _check_group_size(final_scores.shape[-1], group_size)
     _check_adv_clip_max(adv_clip_max)
-    if (final_scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(final_scores):
+    if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
         if not bool(torch.isfinite(final_scores).all()):
             raise ValueError("final_scores contains NaN or inf")
     return _group_optimality(final_scores, group_size, adv_clip_max)
@@ -165,7 +180,7 @@ def _check_inputs(scores, group_size, alpha, adv_clip_max) -> None:
     if not 0 < alpha < math.inf:
         raise ValueError(f"alpha must be finite and > 0, got {alpha}")
     _check_adv_clip_max(adv_clip_max)
-    if (scores.device.type == "cpu" or CHECK_VALUES) and _values_readable(scores):  # CUDA: a sync
+    if (scores.device.type == "cpu" or CHECK_VALUES) and not _traced(scores):  # CUDA: a sync
         if not bool(torch.isfinite(scores).all()):
             raise ValueError("scores contains NaN or inf")
 
@@ -375,9 +390,10 @@ def _launch(scores, group_size, alpha, adv_clip_max, launch):
     return divergence, gains
 
 
-# The launch runs inside a torch.library custom operator with a fake implementation (the same
-# allocations, no launch): torch.compile keeps it as one node of its graph, and meta tensors,
-# FakeTensorMode and the tracing of torch.compile run the fake implementation (see nft_loss.py).
+# The launch as a torch.library custom operator with a fake implementation (the same allocations,
+# no launch), which meta tensors, FakeTensorMode and torch.compile's tracing run (see the header).
+# torch.library.triton_op would let Inductor see into the launch, but under TRITON_INTERPRET its
+# fake implementation would run the interpreter on tensors without data.
 @torch.library.custom_op("recast::renyi_gains", mutates_args=())
 def _renyi_gains_op(
     scores: torch.Tensor, group_size: int, alpha: float, adv_clip_max: float

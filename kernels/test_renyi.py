@@ -1,6 +1,7 @@
 """Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
-DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), group_optimality, and the
-weight matrix W of DESIGN §5 (gain_profiles, recast_weights).
+DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), group_optimality, the
+weight matrix W of DESIGN §5 (gain_profiles, recast_weights), and the gains traced (torch.compile,
+FakeTensorMode, meta tensors).
 
 On CPU (the default) the kernel runs in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the tolerances below
