@@ -177,6 +177,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
             fail(e.flag, str(e))
     if args.prompts_file == os.devnull:
         args.prompts_file = ""
+    unknown = [n for n in names if n not in BACKBONES]
+    if unknown:  # a reward registered in rewards.LOADERS by a user: its model is not known here
+        fail("--rewards", f"no model configuration for {', '.join(unknown)}: the planner knows "
+             f"{', '.join(BACKBONES)}")  # fmt: skip
     own.names, own.judges = names, judges
     return own, args
 
@@ -249,8 +253,6 @@ def reward_models(names: list[str], c: dict, tokenizers: Path, device) -> tuple[
     images = modelzoo.reward_image_processor(c["reward_image_size"])
     models, fns, heads = {}, {}, []
     for name in names:
-        if name not in BACKBONES:
-            raise ValueError(f"reward {name!r}: no model configuration known to the planner")
         model_var, processor_var, key = BACKBONES[name]
         folder = os.environ.get(model_var or "", "")
         proc_folder = os.environ.get(processor_var or "", "")
