@@ -134,9 +134,11 @@ class DiffusersWorld:
     reward_names = rewards.PRESETS["paper1"]
     judge_names = ()  # held-out judges are reward models too: none is scored by default
 
-    def __init__(self, args, device: torch.device, family):
+    def __init__(self, args, device: torch.device, family, pipe=None):
         """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
-        lora_rank, lora_alpha, grad_checkpointing, guidance are read)."""
+        lora_rank, lora_alpha, grad_checkpointing, guidance are read). `pipe`: the family's
+        pipeline already built (benchmarks/memory_plan.py builds one on the meta device), used
+        instead of loading --model."""
         import diffusers
         from peft import LoraConfig
 
@@ -144,14 +146,20 @@ class DiffusersWorld:
         self.train_prompts, self.eval_prompts = split_prompts(
             args.prompts_file, args.eval_prompts_file
         )
-        source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
-        configs = read_configs(source)
-        family.check(configs, args)  # before a weight is loaded
-        # components saved as null (e.g. T5 left out) must be passed as None explicitly
-        absent = {k: None for k, v in configs["pipeline"].items() if v == [None, None]}
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        pipeline = getattr(diffusers, family.PIPELINE)
-        pipe = pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
+        if pipe is None:
+            source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
+            configs = read_configs(source)
+            family.check(configs, args)  # before a weight is loaded
+            # components saved as null (e.g. T5 left out) must be passed as None explicitly
+            absent = {k: None for k, v in configs["pipeline"].items() if v == [None, None]}
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            pipeline = getattr(diffusers, family.PIPELINE)
+            pipe = pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
+        else:
+            configs = {"pipeline": dict(pipe.config)}
+            configs.update({n: dict(getattr(pipe, n).config) for n in ("transformer", "vae",
+                                                                       "scheduler")})  # fmt: skip
+            family.check(configs, args)
         pipe.set_progress_bar_config(disable=True)
         pipe.vae.to(device, torch.float32).requires_grad_(False).eval()
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):

@@ -82,6 +82,8 @@ def score(name: str, fn: RewardFn, images: torch.Tensor, prompts: list[str]) -> 
     s = fn(images, prompts).float().reshape(-1)
     if s.shape[0] != len(prompts):
         raise RewardError(f"reward {name!r} returned {s.shape[0]} scores for {len(prompts)} images")
+    if s.device.type == "meta":  # shapes only (benchmarks/memory_plan.py): no value to check
+        return s
     bad = (~torch.isfinite(s)).nonzero().flatten()
     if len(bad):
         raise RewardError(
@@ -354,6 +356,11 @@ def pickscore(device: torch.device) -> RewardFn:
         ),
         device,
     )
+    return pickscore_scorer(model, processor)
+
+
+def pickscore_scorer(model, processor) -> RewardFn:
+    """PickScore's score, given its CLIP model and processor."""
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -367,7 +374,11 @@ def pickscore(device: torch.device) -> RewardFn:
 def clipscore(device: torch.device) -> RewardFn:
     """CLIPScore (Hessel et al., 2021): 2.5 · max(cos(image, prompt), 0), with CLIP ViT-L/14."""
     path = _where("RECAST_CLIPSCORE", "openai/clip-vit-large-patch14")
-    model, processor = _clip(path, path, device)
+    return clipscore_scorer(*_clip(path, path, device))
+
+
+def clipscore_scorer(model, processor) -> RewardFn:
+    """CLIPScore's score, given its CLIP model and processor."""
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -413,6 +424,12 @@ def aesthetic(device: torch.device) -> RewardFn:
             f"{head_path} maps {head[0][0].shape[1]} → {head[-1][0].shape[0]} numbers; the CLIP at "
             f"{path} has {model.config.projection_dim}-d embeddings and a score is 1 number"
         )
+    return aesthetic_scorer(model, processor, head)
+
+
+def aesthetic_scorer(model, processor, head: list[tuple[torch.Tensor, torch.Tensor]]) -> RewardFn:
+    """The aesthetic score, given the CLIP model, its processor and the head's (weight, bias)
+    pairs on the model's device."""
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

@@ -91,7 +91,9 @@ def tiny(folder: str) -> str:
 class SD3World(diffusersworld.DiffusersWorld):
     """The diffusers world with the SD3 family part."""
 
-    def __init__(self, args, device: torch.device):
+    def __init__(self, args, device: torch.device, pipe=None):
+        """`pipe`: a StableDiffusion3Pipeline already built (benchmarks/memory_plan.py builds one
+        on the meta device), used instead of loading --model."""
         import sd3world
 
-        super().__init__(args, device, sd3world)
+        super().__init__(args, device, sd3world, pipe)

@@ -62,8 +62,9 @@ def _project_imports() -> dict[str, set[str]]:
 
 
 def test_imports_are_one_way():
-    """Worlds and rewards are leaves (they never import the loop, its command line or plumbing),
-    kernels import only torch, triton and math, and no cycle exists among the project's modules."""
+    """Worlds, rewards and modelzoo are leaves (they never import the loop, its command line or
+    plumbing), kernels import only torch, triton and math, no benchmark imports a test file, and no
+    cycle exists among the project's modules."""
     graph = _project_imports()
     leaves = ("toyworld", "sd3world", "rewards", "modelzoo", "eval_images", "vlm_judge")
     assert {"recast", *leaves, "kernels.nft_loss"} <= set(graph)
@@ -77,6 +78,11 @@ def test_imports_are_one_way():
         roots |= {n.module.split(".")[0] for n in ast.walk(tree)
                   if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
         assert roots <= {"torch", "triton", "math", "__future__"}, (kernel, roots)
+    for path in (Path(HERE) / "benchmarks").glob("[!t]*.py"):  # a benchmark imports no test file
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in names if m.split(".")[-1].startswith("test_")}, (path.name, names)
     done, stack = set(), []
 
     def visit(m):  # depth-first search; a module met again on the stack closes a cycle

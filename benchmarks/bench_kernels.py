@@ -42,7 +42,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 from kernels import nft_loss as nft_module  # noqa: E402
 from kernels import renyi as renyi_module  # noqa: E402
-from kernels.test_aot import launch_specs, specialised_source  # noqa: E402
+from kernels.aot import launch_specs, specialised_source  # noqa: E402
 
 QUANTILES = [0.5, 0.2, 0.8]
 SIZES = [  # (label, N, per-image shape, dtype)

@@ -1,0 +1,680 @@
+"""Will it fit? The peak GPU memory of each phase of a recast.py run on SD3, planned on a CPU.
+
+    python benchmarks/memory_plan.py                           # docs/sd35.md's one-GPU command
+    python benchmarks/memory_plan.py --resolution 1024 --grad-checkpointing --gpu-memory 141
+    python benchmarks/memory_plan.py --world-size 8 --prompts 64 --batch-size 64   # per GPU
+    python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
+    python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
+
+Every model of the run is built at its real size on the meta device (nothing is downloaded or
+allocated): the transformer with its two LoRA adapters (sd3world.SD3World itself, handed the
+pipeline), the VAE, the text encoders, and each reward model. Without `--model` they come from the
+configurations in benchmarks/configs (SD3.5-Medium, the `paper1` rewards), and the training flags
+default to docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
+checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
+`torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py).
+
+Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
+counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
+as on the GPU, bf16 autocast where sd3world/recast use it, AdamW in its foreach form, which
+recast.py's AdamW takes on CUDA; fused AdamW does not run on meta tensors):
+- rollout: world.encode of this rank's prompts and recast.sample with the old policy (world.v under
+  no_grad) on the last --batch-size images, T steps, the earlier batches' x0 and x̂0 held;
+- score: world.decode of this rank's images and every reward (recast.score_all), fp32;
+- recast: recast.trajectory_scores on the scored groups' T-1 step predictions, in
+  --score-precision (recast.score_steps' own autocast takes no meta tensors);
+- update: one micro-batch of nft_update: world.v of the policy (with grad, through LoRA), the old
+  and the reference, kernels.nft_loss, backward, gradient clipping and the AdamW step, with the
+  optimizer's state already made (a later step's peak);
+- eval: recast.evaluate on the last --batch-size held-out images, the earlier ones held.
+Tensors the loop keeps from one phase into the next (x0, x̂0, scores, the base model's eval images)
+are carried, as recast.main keeps them. Per phase it prints the peak allocated GiB, split into
+parameters (and buffers), gradients, optimizer state, data carried from earlier phases,
+activations (made by the phase's forwards) and temporaries (backward and the optimizer step).
+
+The verdict adds what the trace does not count: the CUDA context (CONTEXT_GIB), cuBLAS/cuDNN
+workspaces (WORKSPACE_GIB) and the caching allocator's fragmentation (FRAGMENTATION of the peak);
+where the run does not fit, it plans again with --grad-checkpointing and smaller --batch-size
+(with --grad-accum keeping the pairs per optimizer step) and names the flags that fit.
+`--check-cpu` runs the same calls for real on the CPU (random weights) and puts each phase's
+planned peak beside the CPU allocator's (torch.profiler's memory events); `--json PATH` writes the
+plan, keyed by the phase names of recast.py's mem/<phase> and scale_check.py's report.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere
+
+import torch  # noqa: E402 (after the path)
+from tqdm import tqdm  # noqa: E402
+
+import cli  # noqa: E402
+import modelzoo  # noqa: E402
+import recast  # noqa: E402
+import rewards  # noqa: E402
+import sd3world  # noqa: E402
+from benchmarks import memtrace  # noqa: E402
+from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
+
+PHASES = ("rollout", "score", "recast", "update", "eval")
+# docs/sd35.md's one-GPU command: the training flags when none is given
+DOCS_COMMAND = ["--rewards", "paper1", "--lambda", "0.4,0.2,0.2,0.2", "--resolution", "512",
+                "--steps", "10", "--prompts", "32", "--group-size", "8", "--batch-size", "16",
+                "--kl-coef", "1e-4", "--eval-seeds", "2"]  # fmt: skip
+CONFIG_MODELS = ("sd35m",)  # --model names that mean benchmarks/configs/<name>_*.json
+EVAL_PROMPTS = 32  # held-out prompts when no --eval-prompts-file is given
+# What the trace does not count (docs/sd35.md says where each figure comes from)
+CONTEXT_GIB = 1.0  # CUDA context and kernels: 0.5-1 GiB on recent drivers; the upper end
+WORKSPACE_GIB = 0.5  # cuBLAS (tens of MiB per stream) and cuDNN convolution workspaces (VAE)
+FRAGMENTATION = 0.10  # reserved - allocated of the caching allocator, as a share of the peak
+GIB = 2**30
+
+
+def fail(flag: str, message: str) -> NoReturn:
+    print(f"memory_plan.py: error: {flag}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags: the planner's own, then recast.py's (parsed and checked by recast.py's own code)
+# ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        flag, _, detail = message.partition(": ")
+        fail(flag.removeprefix("argument ").split("/")[0] if "argument " in flag else "usage",
+             detail or message)  # fmt: skip
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Args]:
+    """(the planner's flags, recast.Args): recast.py's flags on top of DOCS_COMMAND."""
+    ap = _Parser(prog="memory_plan.py", description=__doc__, add_help=False,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--help", "-h", action="store_true")
+    ap.add_argument("--gpu-memory", type=float, default=79.6,
+                    help="GiB of one GPU as CUDA reports it (default 79.6: an H100 80GB's "
+                    "81,559 MiB; an H200: 140.4)")  # fmt: skip
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="GPUs of the torchrun command (--nproc_per_node); the plan is per GPU",
+    )
+    ap.add_argument(
+        "--shrink",
+        type=int,
+        default=0,
+        help="divide every width of the configurations by this (modelzoo.SHRINKS)",
+    )
+    ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
+                    help="held-out prompts, when no --eval-prompts-file is given "
+                    f"(default {EVAL_PROMPTS})")  # fmt: skip
+    ap.add_argument(
+        "--no-suggest",
+        action="store_true",
+        help="do not plan other flags when the run does not fit",
+    )
+    ap.add_argument(
+        "--check-cpu",
+        action="store_true",
+        help="also run the same calls on the CPU and compare with its allocator",
+    )
+    ap.add_argument("--json", default="", help="write the plan to this file")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, rest = ap.parse_known_args(argv)
+    if own.help:
+        ap.print_help()
+        print("\nand every flag of recast.py (python recast.py --help)")
+        sys.exit(0)
+    if not (0 < own.gpu_memory < math.inf):
+        fail("--gpu-memory", f"must be a positive number of GiB, got {own.gpu_memory}")
+    if own.eval_prompts < 1:
+        fail("--eval-prompts", f"must be ≥ 1, got {own.eval_prompts}")
+    if own.world_size < 1:
+        fail("--world-size", f"must be ≥ 1, got {own.world_size}")
+    if own.shrink and own.shrink not in modelzoo.SHRINKS:
+        fail("--shrink", f"must be one of {', '.join(map(str, modelzoo.SHRINKS))}")
+    if own.check_cpu and not own.shrink and "--model" not in rest:
+        fail("--check-cpu", "runs the same calls for real on this CPU: give --shrink 4 (or 8, 16) "
+             "or a small --model folder")  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(own.json)) if own.json else ""
+    if own.json and (os.path.isdir(own.json) or not os.access(folder, os.W_OK)):
+        fail("--json", f"{own.json} cannot be written: give a file in a writable folder")
+    model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else CONFIG_MODELS[0]
+    if model in CONFIG_MODELS:
+        rest = [*rest, "--model", model]
+    elif not os.path.isfile(os.path.join(model, "model_index.json")):
+        fail("--model", f"{model!r} is neither a pipeline folder (with model_index.json) nor a "
+             f"configuration of benchmarks/configs ({', '.join(CONFIG_MODELS)})")  # fmt: skip
+    elif own.shrink:
+        fail("--shrink", f"shrinks the configurations of {', '.join(CONFIG_MODELS)}, not a folder")
+    full = [*DOCS_COMMAND, *rest]
+    args = cli.parse(recast.Args, full, recast.__doc__, CHOICES)
+    recast.scoring_defaults(args, full)  # SD3's scoring defaults, as recast.py sets them
+    cli.check(args, own.world_size, recast.RESUMABLE)
+    known = [*rewards.REWARDS, *rewards.LOADERS]
+    names = recast.expand_names("--rewards", args.rewards, known)
+    cli.parse_lambda(args.lam, names)
+    judges = recast.expand_names("--judges", args.judges, [*known, *rewards.JUDGES], True)
+    if args.profile:
+        fail("--profile", "plans a training run; --profile trains nothing")
+    try:
+        args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
+        sd3world.check(args, names, judges)
+    except sd3world.BadInput as e:
+        if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
+            fail(e.flag, str(e))
+    if args.prompts_file == os.devnull:
+        args.prompts_file = ""
+    unknown = [n for n in names if n not in BACKBONES]
+    if unknown:  # a reward registered in rewards.LOADERS by a user: its model is not known here
+        fail("--rewards", f"no model configuration for {', '.join(unknown)}: the planner knows "
+             f"{', '.join(BACKBONES)}")  # fmt: skip
+    own.names, own.judges = names, judges
+    return own, args
+
+
+CHOICES = {"weighting": ["recast", "uniform", "sum", "reversed"], "log": ["none", "tensorboard"],
+           "score_precision": ["fp32", "bf16"]}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: the pipeline and the reward models, built on the current device from configurations
+# ---------------------------------------------------------------------------------------------
+def pipeline(model: str, c: dict, tokenizers: Path) -> "StableDiffusion3Pipeline":  # noqa: F821
+    """The StableDiffusion3Pipeline of --model (fp32, random weights, on the current device):
+    benchmarks/configs' SD3.5-Medium, or a folder's component configurations and tokenizers."""
+    if model in CONFIG_MODELS:
+        return modelzoo.sd35m_pipeline(c, modelzoo.sd35m_models(c), tokenizers)
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+
+    index = StableDiffusion3Pipeline.load_config(model)
+    has_t5 = index.get("text_encoder_3", [None, None]) != [None, None]
+    diffusers_model = lambda cls, sub: cls.from_config(cls.load_config(model, subfolder=sub))  # noqa: E731
+    clip_text = lambda sub: CLIPTextModelWithProjection(  # noqa: E731
+        CLIPTextConfig.from_pretrained(model, subfolder=sub)
+    )
+    return StableDiffusion3Pipeline(
+        transformer=diffusers_model(SD3Transformer2DModel, "transformer"),
+        vae=diffusers_model(AutoencoderKL, "vae"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"),
+        text_encoder=clip_text("text_encoder"),
+        tokenizer=CLIPTokenizer.from_pretrained(model, subfolder="tokenizer"),
+        text_encoder_2=clip_text("text_encoder_2"),
+        tokenizer_2=CLIPTokenizer.from_pretrained(model, subfolder="tokenizer_2"),
+        text_encoder_3=(T5EncoderModel(T5Config.from_pretrained(model, subfolder="text_encoder_3"))
+                        if has_t5 else None),
+        tokenizer_3=(T5TokenizerFast.from_pretrained(model, subfolder="tokenizer_3")
+                     if has_t5 else None),
+    )  # fmt: skip
+
+
+# reward → (its CLIP's variable, its processor's variable, its configuration in benchmarks/configs)
+BACKBONES = {
+    "pickscore": ("RECAST_PICKSCORE", "RECAST_PICKSCORE_PROCESSOR", "clip_vit_h14"),
+    "clipscore": ("RECAST_CLIPSCORE", "RECAST_CLIPSCORE", "clip_vit_l14"),
+    "aesthetic": ("RECAST_AESTHETIC", "RECAST_AESTHETIC", "clip_vit_l14"),
+    "hpsv2": (None, None, "clip_vit_h14"),  # an open_clip ViT-H-14 of its own
+}
+
+
+def reward_models(names: list[str], c: dict, tokenizers: Path, device) -> tuple[dict, list]:
+    """({name: reward function}, [their models and tensors]) on the current device, fp32
+    and frozen as rewards.py loads them: each CLIP from the configuration of the folder its
+    RECAST_* variable names, else from benchmarks/configs; rewards on the same CLIP share it, as
+    rewards._clip does; the reward functions are rewards.py's own scorers."""
+    from transformers import AutoProcessor, CLIPConfig, CLIPModel, CLIPProcessor
+
+    tok = modelzoo.clip_tokenizer(tokenizers / "reward_clip")
+    images = modelzoo.reward_image_processor(c["reward_image_size"])
+    models, fns, heads = {}, {}, []
+    for name in names:
+        model_var, processor_var, key = BACKBONES[name]
+        folder = os.environ.get(model_var or "", "")
+        proc_folder = os.environ.get(processor_var or "", "")
+        source = (folder, proc_folder) if os.path.isdir(folder) else (key, "")
+        source = (*source, name) if name == "hpsv2" else source
+        if source not in models:
+            config = CLIPConfig.from_pretrained(folder) if source[0] == folder else None
+            clip = CLIPModel(config or modelzoo.clip_config(c[key]))
+            processor = (AutoProcessor.from_pretrained(proc_folder) if os.path.isdir(proc_folder)
+                         else CLIPProcessor(image_processor=images, tokenizer=tok))  # fmt: skip
+            # the prompts fill CLIP's 77 tokens, so the real mask is all ones and transformers
+            # skips it; without it, meta tensors need not be read to find that out
+            processor.tokenizer.model_input_names = ["input_ids"]
+            models[source] = (clip.float().eval().requires_grad_(False), processor)
+        clip, processor = models[source]
+        if name == "pickscore":
+            fns[name] = rewards.pickscore_scorer(clip, processor)
+        elif name == "clipscore":
+            fns[name] = rewards.clipscore_scorer(clip, processor)
+        elif name == "aesthetic":
+            head = aesthetic_head(c, device)
+            heads += head
+            fns[name] = rewards.aesthetic_scorer(clip, processor, head)
+        else:
+            fns[name] = hpsv2_device_work(clip, tok, c["reward_image_size"])
+    return fns, [m for m, _ in models.values()] + [t for pair in heads for t in pair]
+
+
+def aesthetic_head(c: dict, device) -> list:
+    """LAION's head: the file RECAST_AESTHETIC_HEAD names, or empty weights of its widths."""
+    path = os.environ.get("RECAST_AESTHETIC_HEAD", "")
+    if os.path.isfile(path):
+        return [(w.to(device), b.to(device)) for w, b in rewards.aesthetic_head(path)]
+    w = c["aesthetic_head"]
+    return [(torch.zeros(o, i, device=device), torch.zeros(o, device=device))
+            for i, o in zip(w, w[1:], strict=False)]  # fmt: skip
+
+
+def hpsv2_device_work(clip, tok, size: int) -> rewards.RewardFn:
+    """HPS v2.1's work on the GPU: rewards.hpsv2_scorer preprocesses each image with PIL on the CPU
+    (which meta tensors cannot do) and sends rewards.CHUNK preprocessed images and 77 tokens per
+    forward to open_clip's ViT-H-14 (here a CLIPModel of its shape, modelzoo.OpenClipLike)."""
+    model = modelzoo.OpenClipLike(clip).eval()
+
+    @torch.no_grad()
+    def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out = []
+        for s in range(0, len(prompts), rewards.CHUNK):
+            chunk = prompts[s : s + rewards.CHUNK]
+            pixels = torch.zeros(len(chunk), 3, size, size, device=images.device)
+            tokens = tok(chunk, padding="max_length", max_length=77, truncation=True,
+                         return_tensors="pt").input_ids.to(images.device)  # fmt: skip
+            feats = model(pixels, tokens)
+            out.append((feats["image_features"] * feats["text_features"]).sum(-1))
+        return torch.cat(out)
+
+    return score
+
+
+class Autocasting:
+    """The world with its v and encode under GpuForm's autocast: SD3World runs them under
+    torch.autocast on CUDA, which takes no meta tensors."""
+
+    def __init__(self, world, form: memtrace.GpuForm):
+        self.world, self.form = world, form
+
+    def __getattr__(self, name: str):
+        return getattr(self.world, name)
+
+    def v(self, *a) -> torch.Tensor:
+        with self.form.autocasting():
+            return self.world.v(*a)
+
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.form.autocasting():
+            return self.world.encode(prompts)
+
+
+# ---------------------------------------------------------------------------------------------
+# One epoch, phase by phase, through the project's calls
+# ---------------------------------------------------------------------------------------------
+class Marks:
+    """Phase boundaries and what the phase makes: the tracker's on meta, no-ops elsewhere."""
+
+    def __init__(self, tracker: memtrace.StorageTracker | None = None):
+        self.tracker, self.peaks = tracker, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = self.tracker
+        if t is None:
+            with torch.profiler.record_function(f"phase:{name}"):
+                yield
+            return
+        t.carry()
+        t.reset_peak()
+        yield
+        self.peaks[name] = {"peak": t.peak, **t.peak_split}
+
+    def making(self, kind: str) -> contextlib.AbstractContextManager:
+        return self.tracker.making(kind) if self.tracker else contextlib.nullcontext()
+
+
+def gathered(x: torch.Tensor, world_size: int, dim: int = -1) -> torch.Tensor:
+    """checkpoint.gather's memory on one rank of `world_size`: the parts, then their cat."""
+    if world_size == 1:
+        return x
+    parts = [x, *(torch.empty_like(x) for _ in range(world_size - 1))]
+    return torch.cat(parts, dim)
+
+
+def epoch(run, marks: Marks, bar) -> None:
+    """One epoch's memory-heavy work on rank 0 (recast.main's phases), what it keeps carried from
+    phase to phase as recast.main keeps it."""
+    args, world, ws, G = run["args"], run["world"], run["ws"], run["args"].group_size
+    sigmas, device = run["sigmas"], world.device
+    T = len(sigmas) - 1
+    P_local, latent = args.prompts // ws, world.latent_shape
+    n_local, N = P_local * G, args.prompts * G
+    prompts = [world.train_prompts[i % len(world.train_prompts)] for i in range(args.prompts)]
+    my_prompts = prompts[:P_local]
+    per_image = [p for p in my_prompts for _ in range(G)]
+    E = len(world.eval_prompts) * args.eval_seeds
+    E_local = math.ceil(E / ws)  # rank 0's share of the held-out images
+    with marks.making("data"):  # EvalSet keeps the base model's eval images on rank 0
+        base_images = torch.zeros(E_local, 3, args.resolution, args.resolution, device=device)
+
+    with marks.phase("rollout"):  # recast.rollout: this rank's groups, --batch-size a sampler call
+        cond = world.encode(my_prompts)
+        noise = torch.randn(n_local, *latent, device=device)
+        b = min(args.batch_size, n_local)
+        with marks.making("data"):  # the earlier batches' x0 and x̂0
+            x0_before = torch.zeros(n_local - b, *latent, device=device)
+            preds_before = torch.zeros(T, n_local - b, *latent, device=device)
+        n = torch.arange(n_local - b, n_local, device=device)
+        old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
+        x, pred = recast.sample(old, noise[n], tuple(c[n // G] for c in cond), sigmas)
+        x0, preds = torch.cat([x0_before, x]), torch.cat([preds_before, pred], 1)
+        del cond, noise, n, x, pred, x0_before, preds_before
+    bar.update()
+    with marks.phase("score"):  # recast.main, phase 2
+        final = recast.score_all(run["reward_fns"], world.decode(x0), per_image)  # (K, n)
+    bar.update()
+    with marks.phase("recast"):  # recast.score_steps: its autocast takes no meta tensors
+        step_scores = None
+        if args.weighting in ("recast", "reversed"):
+            m = cli.scored_groups(args.gain_frac, args.prompts, ws) // ws * G
+            precision = run["form"].autocasting() if args.score_precision == "bf16" else None
+            with precision or contextlib.nullcontext():
+                step_scores = recast.trajectory_scores(
+                    run["reward_fns"], world.decode, preds[:, :m], final[:, :m], per_image[:m]
+                )
+            step_scores = gathered(step_scores, ws)
+        final, x0 = gathered(final, ws), gathered(x0, ws, 0)
+        K = final.shape[0]
+        r = torch.rand(final.shape, device=device)  # recast.optimality's r (K, N)
+        W = torch.full((K, T), 1 / (K * T), device=device)
+    bar.update()
+    with marks.phase("update"):  # recast.nft_update: one micro-batch and the optimizer step
+        update(run, marks, prompts, x0, r, W, N)
+    bar.update()
+    with marks.phase("eval"):  # recast.evaluate on the last chunk of rank 0's held-out images
+        chunk = min(args.batch_size, E_local)
+        with marks.making("data"):
+            images_before = torch.zeros(E_local - chunk, 3, args.resolution, args.resolution,
+                                        device=device)  # fmt: skip
+        eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(chunk)]
+        noise = torch.randn(chunk, *latent)
+        scores, images = recast.evaluate(world, run["scorers"], eval_prompts, noise, sigmas, chunk)
+        del scores, images, images_before, noise
+    bar.update()
+    del base_images, x0, preds, final, step_scores, r, W
+
+
+def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
+    """One micro-batch of recast.nft_update on rank 0 (its --batch-size / world size pairs), its
+    backward, gradient clipping and the optimizer step (the micro-batch that ends a step)."""
+    args, world, ws, G = run["args"], run["world"], run["ws"], run["args"].group_size
+    device, sigmas, params, optimizer = world.device, run["sigmas"], run["params"], run["opt"]
+    B = max(1, args.batch_size // ws)
+    if args.grad_accum > 1:  # the step's earlier micro-batches left their gradients
+        with marks.making("gradients"):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+    cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
+    n = torch.randint(N, (B,), device=device)
+    i = torch.randint(len(sigmas) - 1, (B,), device=device)
+    t, eps = sigmas[i], torch.randn(B, *world.latent_shape, device=device)
+    x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
+    c = tuple(cc[n // G] for cc in cond)
+    v_theta = world.v("policy", x_t, c, t)
+    with torch.no_grad():
+        v_old = world.v("old", x_t, c, t)
+        v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
+    loss_fn = run["nft_loss"]  # the fused kernel's operator on a GPU; its reference on the CPU
+    loss = loss_fn(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
+                   args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+    with marks.making("temporaries"):
+        (loss * B / (B * args.grad_accum)).backward()
+        del loss, v_theta, v_old, v_ref, x_t, c, cond, eps
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict:
+    """The world (sd3world.SD3World on an already-built pipeline), the reward models, the AdamW of
+    recast.setup with its state made, on `device` ("meta", or "cpu" for the allocator check) in
+    the GPU's precisions (bf16 transformer and text encoders) when planning for a GPU."""
+    cuda_form = not cpu_form
+    torch.manual_seed(0)
+    with torch.device(device):
+        pipe = pipeline(args.model, c, tmp / "tokenizers")
+        if cuda_form:  # as from_pretrained(torch_dtype=bf16) loads them; SD3World makes the
+            for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2,  # VAE fp32
+                      pipe.text_encoder_3):  # fmt: skip
+                if m is not None:
+                    m.to(torch.bfloat16)
+        reward_fns, reward_held = reward_models(own.names, c, tmp / "tokenizers", device)
+        world = sd3world.SD3World(args, torch.device(device), pipe=pipe)  # adapters made there
+    form = memtrace.GpuForm("cuda" if cuda_form else "cpu")
+    if args.grad_checkpointing:  # the recomputation in backward takes the same form
+        world.transformer.enable_gradient_checkpointing(form.checkpoint_function())
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    # recast.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
+    for p in params:  # a later step: the state exists (exp_avg, exp_avg_sq, step)
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"args": args, "world": Autocasting(world, form), "form": form, "ws": own.world_size,
+            "reward_fns": reward_fns, "scorers": reward_fns, "params": params, "opt": optimizer,
+            "nft_loss": nft_loss if cuda_form else reference_nft_loss,
+            "sigmas": world.sigmas(args.steps), "held": [world.transformer, pipe.vae,
+            pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, *reward_held]}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan, and its check against the CPU allocator
+# ---------------------------------------------------------------------------------------------
+def prompt_files(args, tmp: Path, n_eval: int) -> None:
+    """Generated prompts (long enough to fill CLIP's 77 tokens) where no file was given: n_eval
+    held-out ones."""
+    if not args.prompts_file:
+        path = tmp / "prompts.txt"
+        path.write_text("\n".join(modelzoo.prompts(max(64, args.prompts))) + "\n")
+        args.prompts_file = str(path)
+    if not args.eval_prompts_file:
+        path = tmp / "eval.txt"
+        path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
+        args.eval_prompts_file = str(path)
+
+
+def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "plan") -> dict:
+    """{phase: {"peak": bytes, kind: bytes at the peak}} of one epoch on rank 0, traced on meta
+    in a CUDA GPU's form (or, `cpu_form`, in the CPU's: fp32, its attention, exact sizes)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = make_run(own, args, "meta", c, tmp, cpu_form)
+    tracker = memtrace.StorageTracker("meta", 1 if cpu_form else memtrace.CUDA_ROUND)
+    for held in run["held"]:
+        if isinstance(held, torch.nn.Module):
+            tracker.add_module(held)
+        elif held is not None:
+            tracker.add(held, "parameters")
+    tracker.add_optimizer(run["opt"])
+    hooks = tracker.watch_grads(run["params"])
+    marks = Marks(tracker)
+    with tqdm(total=len(PHASES), desc=desc, leave=False) as bar:
+        with tracker, run["form"]:
+            epoch(run, marks, bar)
+    for h in hooks:
+        h.remove()
+    return marks.peaks
+
+
+def check_cpu(own, args, c: dict, tmp: Path) -> dict:
+    """{phase: {"planned": bytes, "allocator": bytes}}: the plan in the CPU's form, and the same
+    calls run on the CPU (random weights) under torch.profiler, whose memory events carry the CPU
+    allocator's running total of allocated bytes; per phase, its largest value."""
+    from torch.profiler import ProfilerActivity, profile
+
+    planned = plan(own, args, c, tmp, cpu_form=True, desc="plan, CPU form")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run = make_run(own, args, "cpu", c, tmp, cpu_form=True)
+            with tqdm(total=len(PHASES), desc="on the CPU", leave=False) as bar, run["form"]:
+                epoch(run, Marks(), bar)
+    measured = allocator_peaks(prof)
+    return {ph: {"planned": planned[ph]["peak"], "allocator": measured[ph]} for ph in PHASES}
+
+
+def allocator_peaks(prof) -> dict:
+    """{phase: the CPU allocator's largest total of allocated bytes within "phase:<name>"}."""
+    nodes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children)
+    totals = sorted((n.start_time_ns, n.extra_fields.total_allocated) for n in nodes
+                    if n.name == "[memory]" and n.extra_fields.device.type == "cpu")  # fmt: skip
+    peaks = {}
+    for n in nodes:
+        if n.name.startswith("phase:"):
+            before = [b for t, b in totals if t < n.start_time_ns]
+            inside = [b for t, b in totals if n.start_time_ns <= t <= n.end_time_ns]
+            peaks[n.name[6:]] = max(before[-1:] + inside)
+    return peaks
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdict, other flags, report
+# ---------------------------------------------------------------------------------------------
+def verdict(peaks: dict, gpu_gib: float) -> dict:
+    """Fits when the largest phase peak, plus the caching allocator's fragmentation, the CUDA
+    context and the workspaces, is within the GPU's memory."""
+    peak = max(p["peak"] for p in peaks.values()) / GIB
+    need = peak * (1 + FRAGMENTATION) + CONTEXT_GIB + WORKSPACE_GIB
+    worst = max(peaks, key=lambda ph: peaks[ph]["peak"])
+    return {"peak_gib": peak, "phase": worst, "needed_gib": need, "gpu_gib": gpu_gib,
+            "margin_gib": gpu_gib - need, "fits": need <= gpu_gib}  # fmt: skip
+
+
+def alternatives(args) -> list[dict]:
+    """Flags that lower the peak, in the order tried: --grad-checkpointing, then --batch-size
+    halved (down to 1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its
+    pairs."""
+    out, batch, accum = [], args.batch_size, args.grad_accum
+    if not args.grad_checkpointing:
+        out.append({"grad_checkpointing": True})
+    while batch % 2 == 0 and len(out) < 4:
+        batch, accum = batch // 2, accum * 2
+        out.append({"grad_checkpointing": True, "batch_size": batch, "grad_accum": accum})
+    return out
+
+
+def flags_of(change: dict) -> str:
+    return " ".join(cli.flag_of(k) if v is True else f"{cli.flag_of(k)} {v}"
+                    for k, v in change.items())  # fmt: skip
+
+
+def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
+    """Plans of alternatives(args), until one fits (those with a batch a world size cannot split
+    are skipped)."""
+    tried = []
+    for change in alternatives(args):
+        if change.get("batch_size", own.world_size) % own.world_size:
+            continue
+        changed = recast.Args(**{**vars(args), **change})
+        peaks = plan(own, changed, c, tmp, desc=flags_of(change))
+        tried.append({"flags": flags_of(change), "peaks": peaks,
+                      "verdict": verdict(peaks, own.gpu_memory)})  # fmt: skip
+        if tried[-1]["verdict"]["fits"]:
+            break
+    return tried
+
+
+def lines(report: dict) -> list[str]:
+    a, v = report["settings"], report["verdict"]
+    unit, div = ("GiB", GIB) if v["peak_gib"] >= 1 else ("MiB", 2**20)
+    run = (f"--model {a['model']}{report['shrunk']} --resolution {a['resolution']} --steps "
+           f"{a['steps']} --prompts {a['prompts']} --group-size {a['group_size']} --batch-size "
+           f"{a['batch_size']} --grad-accum {a['grad_accum']} --lora-rank {a['lora_rank']}"
+           f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''} --rewards "
+           f"{','.join(report['rewards'])} --kl-coef {a['kl_coef']:g} --gain-frac "
+           f"{a['gain_frac']:.4g} --score-precision {a['score_precision']}")  # fmt: skip
+    L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
+         f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
+         f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",
+         f"phase      peak {unit}   params    grads    optim     data    activ"
+         "    temps"]  # fmt: skip
+    for ph, p in report["peaks"].items():
+        L.append(f"{ph:<9} {p['peak'] / div:8.2f} " + "".join(f"{p[k] / div:9.2f}" for k in
+                                                               memtrace.KINDS))  # fmt: skip
+    L += ["", f"largest: {v['peak_gib']:.2f} GiB ({v['phase']}); with {FRAGMENTATION:.0%} for the "
+          f"allocator's fragmentation, {CONTEXT_GIB} GiB CUDA context and {WORKSPACE_GIB} GiB "
+          f"cuBLAS/cuDNN workspaces: {v['needed_gib']:.2f} GiB of {v['gpu_gib']:g}",
+          f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} in {v['gpu_gib']:g} GiB, margin "
+          f"{v['margin_gib']:+.2f} GiB"]  # fmt: skip
+    for alt in report.get("alternatives", []):
+        w = alt["verdict"]
+        fits = "fits" if w["fits"] else "does not fit"
+        L.append(f"  with {alt['flags']}: peak {w['peak_gib']:.2f} GiB ({w['phase']}), needs "
+                 f"{w['needed_gib']:.2f} GiB: {fits}")  # fmt: skip
+    if "cpu_check" in report:
+        L += ["", "planned (CPU form) against the CPU allocator, MiB:",
+              "phase       planned  allocator  planned/allocator - 1"]  # fmt: skip
+        for ph, x in report["cpu_check"].items():
+            L.append(f"{ph:<9} {x['planned'] / 2**20:9.2f} {x['allocator'] / 2**20:10.2f} "
+                     f"{x['planned'] / x['allocator'] - 1:+10.2%}")  # fmt: skip
+    return L
+
+
+def main(argv: list[str] | None = None) -> None:
+    own, args = parse(argv)  # bad input exits 2 before anything is built or written
+    import diffusers
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # CLIP's 77-token cut of the long prompts
+    diffusers.logging.set_verbosity_error()
+    c = modelzoo.load_configs(own.shrink)
+    tic = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="memory_plan_") as tmp:
+        prompt_files(args, Path(tmp), own.eval_prompts)
+        peaks = plan(own, args, c, Path(tmp))
+        report = {"settings": {k: v for k, v in vars(args).items()}, "rewards": own.names,
+                  "world_size": own.world_size,
+                  "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
+                  "verdict": verdict(peaks, own.gpu_memory),
+                  "eval_images": math.ceil(len(sd3world.read_prompts(args.eval_prompts_file))
+                                           * args.eval_seeds / own.world_size)}  # fmt: skip
+        if not report["verdict"]["fits"] and not own.no_suggest:
+            report["alternatives"] = suggest(own, args, c, Path(tmp))
+        if own.check_cpu:
+            report["cpu_check"] = check_cpu(own, args, c, Path(tmp))
+    report["seconds"] = time.perf_counter() - tic
+    print("\n".join(lines(report)))
+    if own.json:
+        Path(own.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        print(f"wrote {own.json}")
+
+
+if __name__ == "__main__":
+    main()
