@@ -28,6 +28,7 @@ docs/models.md lists what each family holds and how to add one.
 import contextlib
 import os
 
+import numpy as np
 import torch
 
 import hub
@@ -94,6 +95,23 @@ def check(args, names: list[str], judges: list[str] = ()) -> None:
         raise BadInput(
             "--prompts-file", "needs ≥ 2 prompts when the held-out ones come from it too"
         )
+
+
+def packed_latent_shape(pipe, resolution: int) -> tuple[int, ...]:
+    """(tokens, channels): 2×2 patches of the VAE's latents, as FLUX.1 and Qwen-Image pack them."""
+    side = resolution // pipe.vae_scale_factor
+    return ((side // 2) ** 2, pipe.transformer.config.in_channels)
+
+
+def token_shifted_sigmas(pipe, steps: int, tokens: int, calculate_shift) -> torch.Tensor:
+    """σ = linspace(1, 1/T, T) shifted by the μ that the pipeline module's own `calculate_shift`
+    gives for this many image tokens (FLUX.1, Qwen-Image), through its scheduler."""
+    c = pipe.scheduler.config
+    mu = calculate_shift(tokens, c.get("base_image_seq_len", 256),
+                         c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                         c.get("max_shift", 1.15))  # fmt: skip
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return pipe.scheduler.sigmas
 
 
 def read_configs(source: str) -> dict:

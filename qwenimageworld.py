@@ -16,7 +16,6 @@ The transformer has 20 B parameters (41 GB in bf16) and its text encoder 8.3 B: 
 says what fits where.
 """
 
-import numpy as np
 import torch
 
 import diffusersworld
@@ -47,20 +46,14 @@ def advice(configs: dict) -> list[str]:
 
 def latent_shape(pipe, resolution: int) -> tuple[int, ...]:
     """(tokens, channels): 2×2 patches of the VAE's latents, as the pipeline packs them."""
-    side = resolution // pipe.vae_scale_factor
-    return ((side // 2) ** 2, pipe.transformer.config.in_channels)
+    return diffusersworld.packed_latent_shape(pipe, resolution)
 
 
 def schedule(pipe, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
     """The pipeline's: σ = linspace(1, 1/T, T), shifted by its μ for this many image tokens."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    c = pipe.scheduler.config
-    mu = calculate_shift(latent_shape[0], c.get("base_image_seq_len", 256),
-                         c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
-                         c.get("max_shift", 1.15))  # fmt: skip
-    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    return pipe.scheduler.sigmas
+    return diffusersworld.token_shifted_sigmas(pipe, steps, latent_shape[0], calculate_shift)
 
 
 def encode(pipe, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
