@@ -153,6 +153,85 @@ def sd35m_pipeline(c: dict, models: dict, tokenizers: Path):
     )  # fmt: skip
 
 
+# The other families at their real sizes: the configurations in benchmarks/configs of each
+FAMILY_CONFIGS = {
+    "FLUX.1-dev": ("flux1_transformer", "flux1_vae", "flux1dev_scheduler"),
+    "FLUX.1-schnell": ("flux1_transformer", "flux1_vae", "flux1schnell_scheduler"),
+    "FLUX.2-klein 4B": ("flux2klein4b_transformer", "flux2_vae", "flux2klein_scheduler"),
+    "Qwen-Image": ("qwenimage_transformer", "qwenimage_vae", "qwenimage_scheduler"),
+}
+
+
+def family_configs(c: dict, family: str) -> dict:
+    """{"transformer", "vae", "scheduler": its configuration} of a family in FAMILY_CONFIGS (or
+    SD3.5-Medium): what a family part's check(configs, args) reads, as from a pipeline folder."""
+    keys = FAMILY_CONFIGS.get(family, ("sd35m_transformer", "sd35m_vae", "sd35m_scheduler"))
+    parts = zip(("transformer", "vae", "scheduler"), keys, strict=True)
+    configs = {"pipeline": {}, **{part: dict(c[key]) for part, key in parts}}
+    if family == "FLUX.1-schnell":  # -dev's transformer without the guidance embedding
+        configs["transformer"]["guidance_embeds"] = False
+    return configs
+
+
+def family_models(c: dict, family: str) -> dict:
+    """{"transformer", "vae", "text": [(encoder, tokens per prompt)]} of a family in
+    FAMILY_CONFIGS, built on the current device (meta for a count) from benchmarks/configs."""
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLFlux2,
+        AutoencoderKLQwenImage,
+        Flux2Transformer2DModel,
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import (
+        CLIPTextModel,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        T5EncoderModel,
+    )
+
+    cfg = family_configs(c, family)
+    if family.startswith("FLUX.1"):
+        texts = [(CLIPTextModel(clip_text_config(c["clip_l_text"])), 77),
+                 (T5EncoderModel(t5_config(c["t5xxl_encoder"])), 512)]  # fmt: skip
+        return {"transformer": FluxTransformer2DModel(**cfg["transformer"]),
+                "vae": AutoencoderKL(**cfg["vae"]), "text": texts}  # fmt: skip
+    if family == "FLUX.2-klein 4B":
+        qwen3 = Qwen3ForCausalLM(Qwen3Config(**c["qwen3_4b_text"]))
+        return {"transformer": Flux2Transformer2DModel(**cfg["transformer"]),
+                "vae": AutoencoderKLFlux2(**cfg["vae"]), "text": [(qwen3, 512)]}  # fmt: skip
+    qwen25 = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c["qwen25vl7b"]))
+    return {"transformer": QwenImageTransformer2DModel(**cfg["transformer"]),
+            "vae": AutoencoderKLQwenImage(**cfg["vae"]), "text": [(qwen25, 111)]}  # fmt: skip
+
+
+def family_pipeline(c: dict, family: str, tokenizers: Path):
+    """The diffusers pipeline of a family in FAMILY_CONFIGS (family_models, its scheduler) with
+    generated tokenizers saved under the folder `tokenizers`."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        FluxPipeline,
+        QwenImagePipeline,
+    )
+
+    m = family_models(c, family)
+    parts = dict(transformer=m["transformer"], vae=m["vae"], text_encoder=m["text"][0][0],
+                 scheduler=FlowMatchEulerDiscreteScheduler(**family_configs(c, family)[
+                     "scheduler"]))  # fmt: skip
+    if family.startswith("FLUX.1"):
+        return FluxPipeline(**parts, tokenizer=clip_tokenizer(tokenizers / "clip"),
+                            text_encoder_2=m["text"][1][0],
+                            tokenizer_2=t5_tokenizer(tokenizers / "t5"))  # fmt: skip
+    tok = qwen3_tokenizer(tokenizers / "qwen")  # Qwen2.5-VL and Qwen3 share Qwen2's tokenizer
+    if family == "FLUX.2-klein 4B":
+        return Flux2KleinPipeline(**parts, tokenizer=tok)
+    return QwenImagePipeline(**parts, tokenizer=tok)
+
+
 def reward_image_processor(size: int):
     """CLIP's image processor at `size` px (shortest side resized, centre crop)."""
     from transformers import CLIPImageProcessor
