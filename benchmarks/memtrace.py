@@ -28,6 +28,7 @@ fragmentation (reserved − allocated).
 """
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -271,6 +272,10 @@ class GpuForm(TorchFunctionMode):
             return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
                                                   enable_gqa=enable_gqa)  # fmt: skip
         if self.target == "cpu":
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU's SDPA does
+                attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(
+                    ~attn_mask, -math.inf
+                )
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]
