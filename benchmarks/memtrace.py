@@ -269,8 +269,8 @@ class GpuForm(TorchFunctionMode):
                    scale=None, enable_gqa=False):  # fmt: skip
         q, k, v = query, key, value  # F.scaled_dot_product_attention's names: passed by keyword
         if enable_gqa or q.shape[-3] != k.shape[-3]:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa=enable_gqa)  # fmt: skip
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         if self.target == "cpu":
             if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU's SDPA does
                 attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(
