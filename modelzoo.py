@@ -3,6 +3,10 @@
 - SD3.5-Medium and its `paper1` reward backbones at their real sizes, from benchmarks/configs/*.json
   (each value's source is written there): `load_configs`, and `sd35m_models` to build them (with
   random weights, on whatever device is current: a GPU, the CPU, or meta for a count or a trace).
+- FLUX.1-dev and -schnell, FLUX.2-klein 4B and Qwen-Image at their real sizes, from the same
+  folder: `family_configs`, `family_models` (transformer, VAE, text encoders) and
+  `family_pipeline` (the diffusers pipeline, generated tokenizers), for the cost model and the
+  memory planner.
 - `--shrink F`: the same structure with every width ÷ F and every depth ÷ SHRINK_DEPTH
   (`shrink_configs`), for runs on a CPU.
 - Small generated tokenizers with the real sequence lengths: `clip_tokenizer` (one token per byte,
