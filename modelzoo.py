@@ -3,6 +3,10 @@
 - SD3.5-Medium and its `paper1` reward backbones at their real sizes, from benchmarks/configs/*.json
   (each value's source is written there): `load_configs`, and `sd35m_models` to build them (with
   random weights, on whatever device is current: a GPU, the CPU, or meta for a count or a trace).
+- FLUX.1-dev and -schnell, FLUX.2-klein 4B and Qwen-Image at their real sizes, from the same
+  folder: `family_configs`, `family_models` (transformer, VAE, text encoders) and
+  `family_pipeline` (the diffusers pipeline, generated tokenizers), for the cost model and the
+  memory planner.
 - `--shrink F`: the same structure with every width ÷ F and every depth ÷ SHRINK_DEPTH
   (`shrink_configs`), for runs on a CPU.
 - Small generated tokenizers with the real sequence lengths: `clip_tokenizer` (one token per byte,
@@ -151,6 +155,85 @@ def sd35m_pipeline(c: dict, models: dict, tokenizers: Path):
         text_encoder_2=models["clip_g_text"], tokenizer_2=tok,
         text_encoder_3=models["t5xxl_encoder"], tokenizer_3=t5_tokenizer(tokenizers / "t5"),
     )  # fmt: skip
+
+
+# The other families at their real sizes: the configurations in benchmarks/configs of each
+FAMILY_CONFIGS = {
+    "FLUX.1-dev": ("flux1_transformer", "flux1_vae", "flux1dev_scheduler"),
+    "FLUX.1-schnell": ("flux1_transformer", "flux1_vae", "flux1schnell_scheduler"),
+    "FLUX.2-klein 4B": ("flux2klein4b_transformer", "flux2_vae", "flux2klein_scheduler"),
+    "Qwen-Image": ("qwenimage_transformer", "qwenimage_vae", "qwenimage_scheduler"),
+}
+
+
+def family_configs(c: dict, family: str) -> dict:
+    """{"transformer", "vae", "scheduler": its configuration} of a family in FAMILY_CONFIGS (or
+    SD3.5-Medium): what a family part's check(configs, args) reads, as from a pipeline folder."""
+    keys = FAMILY_CONFIGS.get(family, ("sd35m_transformer", "sd35m_vae", "sd35m_scheduler"))
+    parts = zip(("transformer", "vae", "scheduler"), keys, strict=True)
+    configs = {"pipeline": {}, **{part: dict(c[key]) for part, key in parts}}
+    if family == "FLUX.1-schnell":  # -dev's transformer without the guidance embedding
+        configs["transformer"]["guidance_embeds"] = False
+    return configs
+
+
+def family_models(c: dict, family: str) -> dict:
+    """{"transformer", "vae", "text": [(encoder, tokens per prompt)]} of a family in
+    FAMILY_CONFIGS, built on the current device (meta for a count) from benchmarks/configs."""
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLFlux2,
+        AutoencoderKLQwenImage,
+        Flux2Transformer2DModel,
+        FluxTransformer2DModel,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import (
+        CLIPTextModel,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        T5EncoderModel,
+    )
+
+    cfg = family_configs(c, family)
+    if family.startswith("FLUX.1"):
+        texts = [(CLIPTextModel(clip_text_config(c["clip_l_text"])), 77),
+                 (T5EncoderModel(t5_config(c["t5xxl_encoder"])), 512)]  # fmt: skip
+        return {"transformer": FluxTransformer2DModel(**cfg["transformer"]),
+                "vae": AutoencoderKL(**cfg["vae"]), "text": texts}  # fmt: skip
+    if family == "FLUX.2-klein 4B":
+        qwen3 = Qwen3ForCausalLM(Qwen3Config(**c["qwen3_4b_text"]))
+        return {"transformer": Flux2Transformer2DModel(**cfg["transformer"]),
+                "vae": AutoencoderKLFlux2(**cfg["vae"]), "text": [(qwen3, 512)]}  # fmt: skip
+    qwen25 = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c["qwen25vl7b"]))
+    return {"transformer": QwenImageTransformer2DModel(**cfg["transformer"]),
+            "vae": AutoencoderKLQwenImage(**cfg["vae"]), "text": [(qwen25, 111)]}  # fmt: skip
+
+
+def family_pipeline(c: dict, family: str, tokenizers: Path):
+    """The diffusers pipeline of a family in FAMILY_CONFIGS (family_models, its scheduler) with
+    generated tokenizers saved under the folder `tokenizers`."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        FluxPipeline,
+        QwenImagePipeline,
+    )
+
+    m = family_models(c, family)
+    parts = dict(transformer=m["transformer"], vae=m["vae"], text_encoder=m["text"][0][0],
+                 scheduler=FlowMatchEulerDiscreteScheduler(**family_configs(c, family)[
+                     "scheduler"]))  # fmt: skip
+    if family.startswith("FLUX.1"):
+        return FluxPipeline(**parts, tokenizer=clip_tokenizer(tokenizers / "clip"),
+                            text_encoder_2=m["text"][1][0],
+                            tokenizer_2=t5_tokenizer(tokenizers / "t5"))  # fmt: skip
+    tok = qwen3_tokenizer(tokenizers / "qwen")  # Qwen2.5-VL and Qwen3 share Qwen2's tokenizer
+    if family == "FLUX.2-klein 4B":
+        return Flux2KleinPipeline(**parts, tokenizer=tok)
+    return QwenImagePipeline(**parts, tokenizer=tok)
 
 
 def reward_image_processor(size: int):

@@ -1,23 +1,28 @@
-"""Will it fit? The peak GPU memory of each phase of a recast.py run on SD3, planned on a CPU.
+"""Will it fit? The peak GPU memory of each phase of a recast.py run, planned on a CPU.
 
     python benchmarks/memory_plan.py                           # docs/sd35.md's one-GPU command
+    python benchmarks/memory_plan.py --model flux1-dev --guidance 3.5   # docs/models.md's
+    python benchmarks/memory_plan.py --model qwen-image --grad-checkpointing --resolution 1024
     python benchmarks/memory_plan.py --resolution 1024 --grad-checkpointing --gpu-memory 141
     python benchmarks/memory_plan.py --world-size 8 --prompts 64 --batch-size 64   # per GPU
     python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
     python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
 
 Every model of the run is built at its real size on the meta device (nothing is downloaded or
-allocated): the transformer with its two LoRA adapters (sd3world.SD3World itself, handed the
-pipeline), the VAE, the text encoders, and each reward model. Without `--model` they come from the
-configurations in benchmarks/configs (SD3.5-Medium, the `paper1` rewards), and the training flags
-default to docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
+allocated): the transformer with its two LoRA adapters (diffusersworld.DiffusersWorld itself with
+the family's part, handed the pipeline), the VAE, the text encoders, and each reward model. They
+come from the configurations in benchmarks/configs (the `paper1` rewards; without `--model`,
+SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size with generated
+tokenizers) or from a pipeline folder's configurations, and the training flags default to
+docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
 `torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py).
 
 Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
 counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
-as on the GPU, bf16 autocast where sd3world/recast use it, AdamW in its foreach form, which
-recast.py's AdamW takes on CUDA; fused AdamW does not run on meta tensors):
+as on the GPU, bf16 autocast where diffusersworld/recast use it, the values of token ids and masks
+where a pipeline reads them, AdamW in its foreach form, which recast.py's AdamW takes on CUDA;
+fused AdamW does not run on meta tensors):
 - rollout: world.encode of this rank's prompts and recast.sample with the old policy (world.v under
   no_grad) on the last --batch-size images, T steps, the earlier batches' x0 and x̂0 held;
 - score: world.decode of this rank's images and every reward (recast.score_all), fp32;
@@ -61,10 +66,11 @@ import torch  # noqa: E402 (after the path)
 from tqdm import tqdm  # noqa: E402
 
 import cli  # noqa: E402
+import diffusersworld  # noqa: E402
+import families  # noqa: E402
 import modelzoo  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
-import sd3world  # noqa: E402
 from benchmarks import memtrace  # noqa: E402
 from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 
@@ -73,7 +79,13 @@ PHASES = ("rollout", "score", "recast", "update", "eval")
 DOCS_COMMAND = ["--rewards", "paper1", "--lambda", "0.4,0.2,0.2,0.2", "--resolution", "512",
                 "--steps", "10", "--prompts", "32", "--group-size", "8", "--batch-size", "16",
                 "--kl-coef", "1e-4", "--eval-seeds", "2"]  # fmt: skip
-CONFIG_MODELS = ("sd35m",)  # --model names that mean benchmarks/configs/<name>_*.json
+# --model names that mean a family at its real size, from benchmarks/configs (modelzoo)
+# (modelzoo's name of it, its pipeline class)
+CONFIG_MODELS = {"sd35m": ("SD3.5-Medium", "StableDiffusion3Pipeline"),
+                 "flux1-dev": ("FLUX.1-dev", "FluxPipeline"),
+                 "flux1-schnell": ("FLUX.1-schnell", "FluxPipeline"),
+                 "flux2-klein-4b": ("FLUX.2-klein 4B", "Flux2KleinPipeline"),
+                 "qwen-image": ("Qwen-Image", "QwenImagePipeline")}  # fmt: skip
 EVAL_PROMPTS = 32  # held-out prompts when no --eval-prompts-file is given
 # What the trace does not count (docs/sd35.md says where each figure comes from)
 CONTEXT_GIB = 1.0  # CUDA context and kernels: 0.5-1 GiB on recent drivers; the upper end
@@ -151,17 +163,17 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     folder = os.path.dirname(os.path.abspath(own.json)) if own.json else ""
     if own.json and (os.path.isdir(own.json) or not os.access(folder, os.W_OK)):
         fail("--json", f"{own.json} cannot be written: give a file in a writable folder")
-    model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else CONFIG_MODELS[0]
+    model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else "sd35m"
     if model in CONFIG_MODELS:
         rest = [*rest, "--model", model]
     elif not os.path.isfile(os.path.join(model, "model_index.json")):
         fail("--model", f"{model!r} is neither a pipeline folder (with model_index.json) nor a "
              f"configuration of benchmarks/configs ({', '.join(CONFIG_MODELS)})")  # fmt: skip
-    elif own.shrink:
-        fail("--shrink", f"shrinks the configurations of {', '.join(CONFIG_MODELS)}, not a folder")
+    if own.shrink and model != "sd35m":
+        fail("--shrink", f"shrinks SD3.5-Medium's configurations (sd35m), not {model}")
     full = [*DOCS_COMMAND, *rest]
     args = cli.parse(recast.Args, full, recast.__doc__, CHOICES)
-    recast.scoring_defaults(args, full)  # SD3's scoring defaults, as recast.py sets them
+    recast.scoring_defaults(args, full)  # the diffusers scoring defaults, as recast.py sets them
     cli.check(args, own.world_size, recast.RESUMABLE)
     known = [*rewards.REWARDS, *rewards.LOADERS]
     names = recast.expand_names("--rewards", args.rewards, known)
@@ -171,10 +183,15 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         fail("--profile", "plans a training run; --profile trains nothing")
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
-        sd3world.check(args, names, judges)
-    except sd3world.BadInput as e:
+        diffusersworld.check(args, names, judges)
+    except diffusersworld.BadInput as e:
         if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
             fail(e.flag, str(e))
+    try:  # the family's flags (FLUX.1-dev's --guidance, the resolution's step), as at load
+        family, configs = family_configs(model)
+        family.check(configs, args)
+    except diffusersworld.BadInput as e:
+        fail(e.flag, str(e))
     if args.prompts_file == os.devnull:
         args.prompts_file = ""
     unknown = [n for n in names if n not in BACKBONES]
@@ -192,45 +209,46 @@ CHOICES = {"weighting": ["recast", "uniform", "sum", "reversed"], "log": ["none"
 # ---------------------------------------------------------------------------------------------
 # Models: the pipeline and the reward models, built on the current device from configurations
 # ---------------------------------------------------------------------------------------------
-def pipeline(model: str, c: dict, tokenizers: Path) -> "StableDiffusion3Pipeline":  # noqa: F821
-    """The StableDiffusion3Pipeline of --model (fp32, random weights, on the current device):
-    benchmarks/configs' SD3.5-Medium, or a folder's component configurations and tokenizers."""
+def family_configs(model: str) -> tuple:
+    """(the family part, {"pipeline", "transformer", "vae", "scheduler": configuration}) of
+    --model: a name of CONFIG_MODELS, or a pipeline folder."""
     if model in CONFIG_MODELS:
-        return modelzoo.sd35m_pipeline(c, modelzoo.sd35m_models(c), tokenizers)
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5TokenizerFast,
-    )
+        family, part = CONFIG_MODELS[model]
+        return families.PARTS[part], modelzoo.family_configs(modelzoo.load_configs(), family)
+    return families.family_of(model), diffusersworld.read_configs(model)
 
-    index = StableDiffusion3Pipeline.load_config(model)
-    has_t5 = index.get("text_encoder_3", [None, None]) != [None, None]
-    diffusers_model = lambda cls, sub: cls.from_config(cls.load_config(model, subfolder=sub))  # noqa: E731
-    clip_text = lambda sub: CLIPTextModelWithProjection(  # noqa: E731
-        CLIPTextConfig.from_pretrained(model, subfolder=sub)
-    )
-    return StableDiffusion3Pipeline(
-        transformer=diffusers_model(SD3Transformer2DModel, "transformer"),
-        vae=diffusers_model(AutoencoderKL, "vae"),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler"),
-        text_encoder=clip_text("text_encoder"),
-        tokenizer=CLIPTokenizer.from_pretrained(model, subfolder="tokenizer"),
-        text_encoder_2=clip_text("text_encoder_2"),
-        tokenizer_2=CLIPTokenizer.from_pretrained(model, subfolder="tokenizer_2"),
-        text_encoder_3=(T5EncoderModel(T5Config.from_pretrained(model, subfolder="text_encoder_3"))
-                        if has_t5 else None),
-        tokenizer_3=(T5TokenizerFast.from_pretrained(model, subfolder="tokenizer_3")
-                     if has_t5 else None),
-    )  # fmt: skip
+
+def pipeline(model: str, c: dict, tokenizers: Path):
+    """The diffusers pipeline of --model (fp32, random weights, on the current device): a family
+    of benchmarks/configs at its real size, or a folder's component configurations and
+    tokenizers (every component built from its configuration, no weight read)."""
+    import importlib
+
+    import diffusers
+    import transformers
+
+    if model == "sd35m":
+        return modelzoo.sd35m_pipeline(c, modelzoo.sd35m_models(c), tokenizers)
+    if model in CONFIG_MODELS:
+        return modelzoo.family_pipeline(c, CONFIG_MODELS[model][0], tokenizers)
+    index, parts = diffusers.DiffusionPipeline.load_config(model), {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list):
+            parts[name] = value if not name.startswith("_") else None  # e.g. is_distilled
+            continue
+        if value == [None, None]:  # left out (SD3 without T5)
+            parts[name] = None
+            continue
+        cls = getattr(importlib.import_module(value[0]), value[1])
+        folder = os.path.join(model, name)
+        if name.startswith(("tokenizer", "scheduler")):
+            parts[name] = cls.from_pretrained(folder)
+        elif value[0] == "diffusers":
+            parts[name] = cls.from_config(cls.load_config(folder))
+        else:
+            parts[name] = cls(transformers.AutoConfig.from_pretrained(folder))
+    parts = {k: v for k, v in parts.items() if not k.startswith("_")}
+    return getattr(diffusers, index["_class_name"])(**parts)
 
 
 # reward → (its CLIP's variable, its processor's variable, its configuration in benchmarks/configs)
@@ -441,7 +459,8 @@ def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
     n = torch.randint(N, (B,), device=device)
     i = torch.randint(len(sigmas) - 1, (B,), device=device)
     t, eps = sigmas[i], torch.randn(B, *world.latent_shape, device=device)
-    x_t = (1 - t.view(-1, 1, 1, 1)) * x0[n] + t.view(-1, 1, 1, 1) * eps
+    tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout, as recast.nft_update
+    x_t = (1 - tt) * x0[n] + tt * eps
     c = tuple(cc[n // G] for cc in cond)
     v_theta = world.v("policy", x_t, c, t)
     with torch.no_grad():
@@ -452,27 +471,30 @@ def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
                    args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
     with marks.making("temporaries"):
         (loss * B / (B * args.grad_accum)).backward()
-        del loss, v_theta, v_old, v_ref, x_t, c, cond, eps
+        del loss, v_theta, v_old, v_ref, x_t, c, cond, eps, tt
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
 def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict:
-    """The world (sd3world.SD3World on an already-built pipeline), the reward models, the AdamW of
-    recast.setup with its state made, on `device` ("meta", or "cpu" for the allocator check) in
-    the GPU's precisions (bf16 transformer and text encoders) when planning for a GPU."""
+    """The world (diffusersworld.DiffusersWorld with the family's part, on an already-built
+    pipeline), the reward models, the AdamW of recast.setup with its state made, on `device`
+    ("meta", or "cpu" for the allocator check) in the GPU's precisions (bf16 transformer and text
+    encoders) when planning for a GPU."""
     cuda_form = not cpu_form
     torch.manual_seed(0)
     with torch.device(device):
         pipe = pipeline(args.model, c, tmp / "tokenizers")
-        if cuda_form:  # as from_pretrained(torch_dtype=bf16) loads them; SD3World makes the
-            for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2,  # VAE fp32
-                      pipe.text_encoder_3):  # fmt: skip
+        encoders = [getattr(pipe, n, None) for n in ("text_encoder", "text_encoder_2",
+                                                      "text_encoder_3")]  # fmt: skip
+        if cuda_form:  # as from_pretrained(torch_dtype=bf16) loads them; the world makes the
+            for m in (pipe.transformer, *encoders):  # VAE fp32
                 if m is not None:
                     m.to(torch.bfloat16)
         reward_fns, reward_held = reward_models(own.names, c, tmp / "tokenizers", device)
-        world = sd3world.SD3World(args, torch.device(device), pipe=pipe)  # adapters made there
+        family = families.PARTS[type(pipe).__name__]
+        world = diffusersworld.DiffusersWorld(args, torch.device(device), family, pipe=pipe)
     form = memtrace.GpuForm("cuda" if cuda_form else "cpu")
     if args.grad_checkpointing:  # the recomputation in backward takes the same form
         world.transformer.enable_gradient_checkpointing(form.checkpoint_function())
@@ -487,7 +509,7 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
             "reward_fns": reward_fns, "scorers": reward_fns, "params": params, "opt": optimizer,
             "nft_loss": nft_loss if cuda_form else reference_nft_loss,
             "sigmas": world.sigmas(args.steps), "held": [world.transformer, pipe.vae,
-            pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3, *reward_held]}  # fmt: skip
+            *encoders, *reward_held]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,11 +636,12 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
 def lines(report: dict) -> list[str]:
     a, v = report["settings"], report["verdict"]
     unit, div = ("GiB", GIB) if v["peak_gib"] >= 1 else ("MiB", 2**20)
+    guidance = f" --guidance {a['guidance']:g}" if a["guidance"] else ""
     run = (f"--model {a['model']}{report['shrunk']} --resolution {a['resolution']} --steps "
            f"{a['steps']} --prompts {a['prompts']} --group-size {a['group_size']} --batch-size "
            f"{a['batch_size']} --grad-accum {a['grad_accum']} --lora-rank {a['lora_rank']}"
            f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''} --rewards "
-           f"{','.join(report['rewards'])} --kl-coef {a['kl_coef']:g} --gain-frac "
+           f"{','.join(report['rewards'])}{guidance} --kl-coef {a['kl_coef']:g} --gain-frac "
            f"{a['gain_frac']:.4g} --score-precision {a['score_precision']}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
          f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
@@ -663,7 +686,7 @@ def main(argv: list[str] | None = None) -> None:
                   "world_size": own.world_size,
                   "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
                   "verdict": verdict(peaks, own.gpu_memory),
-                  "eval_images": math.ceil(len(sd3world.read_prompts(args.eval_prompts_file))
+                  "eval_images": math.ceil(len(diffusersworld.read_prompts(args.eval_prompts_file))
                                            * args.eval_seeds / own.world_size)}  # fmt: skip
         if not report["verdict"]["fits"] and not own.no_suggest:
             report["alternatives"] = suggest(own, args, c, Path(tmp))

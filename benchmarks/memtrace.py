@@ -14,7 +14,11 @@ nothing is allocated, so SD3.5-Medium's real-size models trace on a laptop.
 - autocast: `torch.autocast` does nothing on meta, so `autocasting()` applies CUDA autocast's
   casts from outside, above autograd as autocast itself does (so that what backward saves is the
   cast copy): LOWER ops get their fp32 inputs cast to bf16, FP32 ops their bf16/fp16 inputs cast
-  to fp32.
+  to fp32;
+- host values: a small host tensor copied to the device (token ids, an attention mask) keeps its
+  values beside its meta copy, and calls on such tensors compute them too, so that what reads a
+  value on the host (`.item()`, `.tolist()`, `torch.equal`, a boolean mask as an index) gets it:
+  transformers' padding masks and Qwen-Image's prompt extraction read their masks so.
 
 Why not torch.distributed._tools.mem_tracker.MemTracker: in torch 2.13 it raises on frozen
 parameters (a grad hook on each) and on a root module called twice (world.v calls the transformer 3
@@ -24,6 +28,7 @@ fragmentation (reserved − allocated).
 """
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -31,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 KINDS = ("parameters", "gradients", "optimizer", "data", "activations", "temporaries")
 CUDA_ROUND = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
@@ -147,6 +152,42 @@ FP32 = {
     "acos", "asin", "cosh", "sinh", "tan", "erfinv", "interpolate",
 }  # fmt: skip
 HALF = (torch.bfloat16, torch.float16)
+VALUE = "_host_value"  # the attribute of a meta tensor that holds its values on the host
+HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "equal"}
+HOST_NUMEL = 2**20  # the largest host tensor whose values a meta copy keeps (token ids, masks)
+
+
+def _values(tree):
+    """`tree` with every meta tensor replaced by its host values; None when one has none, or when
+    it holds no meta tensor."""
+    seen = missing = False
+
+    def value(t: torch.Tensor):
+        nonlocal seen, missing
+        if t.device.type != "meta":
+            return t
+        seen, v = True, getattr(t, VALUE, None)
+        missing = missing or v is None
+        return v
+
+    out = tree_map_only(torch.Tensor, value, tree)
+    return out if seen and not missing else None
+
+
+def _keep_values(out, host) -> None:
+    """Attach the host values `host` to the meta tensors of `out`, leaf by leaf."""
+    outs, hosts = tree_flatten(out)[0], tree_flatten(host)[0]
+    for o, h in zip(outs, hosts, strict=False):
+        if isinstance(o, torch.Tensor) and o.device.type == "meta" and isinstance(h, torch.Tensor):
+            if h.device.type != "meta":  # not one made on the device (`device=` given)
+                setattr(o, VALUE, h)
+
+
+def _mask_indices(t: torch.Tensor):
+    v = getattr(t, VALUE, None)
+    if t.dtype != torch.bool or v is None:
+        return t
+    return tuple(i.to(t.device) for i in v.nonzero(as_tuple=True))
 
 
 class GpuForm(TorchFunctionMode):
@@ -176,7 +217,23 @@ class GpuForm(TorchFunctionMode):
             args, kwargs = self._cast((args, kwargs), HALF, torch.float32)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
-        return func(*args, **kwargs)
+        values = _values((args, kwargs))
+        if values is not None and name in HOST_READS:
+            return func(*values[0], **values[1])
+        if name == "__getitem__":  # a boolean mask with values: the indices it selects
+            args = (args[0], *tree_map_only(torch.Tensor, _mask_indices, args[1:]))
+        out = func(*args, **kwargs)
+        if values is not None:
+            _keep_values(out, func(*values[0], **values[1]))
+        elif "device" in kwargs and isinstance(out, torch.Tensor) and out.device.type == "meta":
+            leaves = tree_flatten((args, kwargs))[0]
+            if out.numel() <= HOST_NUMEL and not any(isinstance(x, torch.Tensor) for x in leaves):
+                _keep_values(out, func(*args, **{**kwargs, "device": "cpu"}))  # a small factory
+        if name == "to" and isinstance(out, torch.Tensor) and out.device.type == "meta":
+            host = getattr(args[0], VALUE, args[0])  # a host tensor copied to the device
+            if host.device.type != "meta" and host.numel() <= HOST_NUMEL:
+                setattr(out, VALUE, host.to(out.dtype))
+        return out
 
     def checkpoint_function(self) -> Callable:
         """A gradient_checkpointing_func for diffusers' enable_gradient_checkpointing: diffusers'
@@ -208,12 +265,17 @@ class GpuForm(TorchFunctionMode):
 
         return tree_map_only(torch.Tensor, cast, tree)
 
-    def _attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):  # fmt: skip
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):  # fmt: skip
+        q, k, v = query, key, value  # F.scaled_dot_product_attention's names: passed by keyword
         if enable_gqa or q.shape[-3] != k.shape[-3]:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                                  enable_gqa=enable_gqa)  # fmt: skip
+            return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
         if self.target == "cpu":
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # as the CPU's SDPA does
+                attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(
+                    ~attn_mask, -math.inf
+                )
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
             )[0]

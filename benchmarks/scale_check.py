@@ -85,6 +85,7 @@ from modelzoo import (  # noqa: E402 (after the path)
     clip_config,
     clip_text_config,
     clip_tokenizer,
+    family_models,
     load_configs,
     n_params,
     prompts,
@@ -1165,42 +1166,6 @@ def print_cost_model() -> None:
 # Model families: each family's transformer, VAE and text encoders at their real sizes
 # ---------------------------------------------------------------------------------------------
 FAMILY_NAMES = ("SD3.5-Medium", "FLUX.1-dev", "FLUX.1-schnell", "FLUX.2-klein 4B", "Qwen-Image")
-
-
-def family_models(c: dict, family: str) -> dict:
-    """{"transformer", "vae", "text": [(encoder, tokens per prompt)]} of a family other than
-    SD3.5, built on the current device (meta for a count) from benchmarks/configs."""
-    from diffusers import (
-        AutoencoderKL,
-        AutoencoderKLFlux2,
-        AutoencoderKLQwenImage,
-        Flux2Transformer2DModel,
-        FluxTransformer2DModel,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import (
-        CLIPTextModel,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        T5EncoderModel,
-    )
-
-    if family.startswith("FLUX.1"):
-        cfg = {**c["flux1_transformer"], "guidance_embeds": family == "FLUX.1-dev"}
-        texts = [(CLIPTextModel(clip_text_config(c["clip_l_text"])), 77),
-                 (T5EncoderModel(t5_config(c["t5xxl_encoder"])), 512)]  # fmt: skip
-        return {"transformer": FluxTransformer2DModel(**cfg),
-                "vae": AutoencoderKL(**c["flux1_vae"]), "text": texts}  # fmt: skip
-    if family == "FLUX.2-klein 4B":
-        qwen3 = Qwen3ForCausalLM(Qwen3Config(**c["qwen3_4b_text"]))
-        return {"transformer": Flux2Transformer2DModel(**c["flux2klein4b_transformer"]),
-                "vae": AutoencoderKLFlux2(**c["flux2_vae"]), "text": [(qwen3, 512)]}  # fmt: skip
-    qwen25 = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c["qwen25vl7b"]))
-    qwen = QwenImageTransformer2DModel(**c["qwenimage_transformer"])
-    return {"transformer": qwen, "vae": AutoencoderKLQwenImage(**c["qwenimage_vae"]),
-            "text": [(qwen25, 111)]}  # fmt: skip
 
 
 def family_flops(c: dict, cf: dict, family: str, resolutions) -> dict:
