@@ -574,11 +574,48 @@ def report(args) -> None:
         "\nBase model: " + ", ".join(f"{n} {first[f'eval/{n}']:+.3f}" for n in names + judges)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
+    if args.study == "setting2":
+        lines += settings_w(args, fin, seeds, out_dir)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(res, fin, gap, seeds, arms, out_dir, names)
     print("\n".join(lines))
     print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
+
+
+def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
+    """ReCAST's mean final W in setting 1 (the s1-recast reruns) above setting 2's, per budget,
+    over the seeds both settings have finished: w_settings.png, and each W's L1 distance from
+    uniform. Nothing when setting 1 has no finished run yet."""
+    s1 = finished(args, ["s1-recast"])
+    both = {lam: [s for s in ss if (lam, "s1-recast", s) in s1] for lam, ss in seeds.items()}
+    both = {lam: ss for lam, ss in both.items() if ss}
+    if not both:
+        return []
+    rows = [("s1-recast", NAMES, lambda lam, s: evals(s1[lam, "s1-recast", s])[-1]["W"]),
+            ("s2-recast", TOY2, lambda lam, s: fin[lam, "s2-recast", s]["W"])]  # fmt: skip
+    fig, axes = plt.subplots(2, len(both), figsize=(2.4 * len(both), 3.2), squeeze=False)
+    out = ["", "ReCAST's mean final W in both settings (w_settings.png), L1 distance from uniform "
+           "per budget, setting 1 → setting 2:", ""]  # fmt: skip
+    far = {}
+    for i, (arm, names, W_of) in enumerate(rows):
+        for j, (lam, ss) in enumerate(both.items()):
+            W = torch.tensor([W_of(lam, s) for s in ss]).mean(0)
+            far[arm, lam] = l1_from_uniform(W.tolist(), lam)
+            ax = axes[i][j]
+            ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
+            ax.set_xticks([])
+            ax.set_yticks(range(len(names)), names if j == 0 else [], fontsize=6)
+            ax.set_title(f"{'setting 1' if i == 0 else 'setting 2'}, λ = {lam}", fontsize=7)
+    for lam, ss in both.items():
+        out.append(f"- λ = {lam} ({len(ss)} seeds): {far['s1-recast', lam]:.2f} → "
+                   f"{far['s2-recast', lam]:.2f}")  # fmt: skip
+    fig.suptitle("ReCAST's mean final W·T, setting 1 (top) and setting 2 (bottom); timestep 0 = "
+                 "noise at the left", fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "w_settings.png"), dpi=110)
+    plt.close(fig)
+    return out
 
 
 def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) -> None:

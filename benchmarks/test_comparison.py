@@ -248,6 +248,10 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
         table
     )
     assert "1.000 (+0.500 ± 0.000) win" in table
+    # the made-up W is 0.025 everywhere: uniform for equal λ, 0.30 from λ/T for 0.4,0.2,0.2,0.2
+    assert "- λ = 0.25,0.25,0.25,0.25 (2 seeds): 0.00 → 0.00" in table
+    assert "- λ = 0.4,0.2,0.2,0.2 (2 seeds): 0.30 → 0.30" in table
+    assert os.path.getsize(os.path.join(str(out), "setting2", "w_settings.png")) > 0
     assert "- s2-sum over s2-uniform, pairwise judge (preference rate; − ½ ± SE): 0 win, 5 tie" in (
         table
     )
