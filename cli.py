@@ -9,12 +9,14 @@ import math
 import os
 import sys
 from dataclasses import asdict, fields
+from typing import NoReturn
 
 import torch
 
 
-def fail(flag: str, message: str):
-    print(f"recast.py: error: {flag}: {message}", file=sys.stderr)
+def fail(flag: str, message: str, prog: str = "recast.py") -> NoReturn:
+    """Exit 2 with one line naming the flag and the fix (every script of the project)."""
+    print(f"{prog}: error: {flag}: {message}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -32,18 +34,21 @@ def field_docs(cls) -> dict[str, str]:
     }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line naming the flag, not the whole usage block
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are `fail`'s one line (prefixed with the parser's prog), not the
+    whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
         flag, _, detail = message.partition(": ")
         if flag.startswith("argument "):
-            fail(flag.removeprefix("argument ").split("/")[0], detail)
-        fail("usage", f"{message} (see --help)")
+            fail(flag.removeprefix("argument ").split("/")[0], detail, self.prog)
+        fail("usage", f"{message} (see --help)", self.prog)
 
 
 def parse(cls, argv: list[str] | None, description: str, choices: dict[str, list[str]]):
     """An argparse parser with one flag per field of the dataclass `cls`; returns a `cls`."""
     docs = field_docs(cls)
-    ap = _Parser(
+    ap = Parser(
         prog="recast.py",
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -95,23 +95,15 @@ GIB = 2**30
 
 
 def fail(flag: str, message: str) -> NoReturn:
-    print(f"memory_plan.py: error: {flag}: {message}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(flag, message, "memory_plan.py")
 
 
 # ---------------------------------------------------------------------------------------------
 # Flags: the planner's own, then recast.py's (parsed and checked by recast.py's own code)
 # ---------------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        flag, _, detail = message.partition(": ")
-        fail(flag.removeprefix("argument ").split("/")[0] if "argument " in flag else "usage",
-             detail or message)  # fmt: skip
-
-
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Args]:
     """(the planner's flags, recast.Args): recast.py's flags on top of DOCS_COMMAND."""
-    ap = _Parser(prog="memory_plan.py", description=__doc__, add_help=False,
+    ap = cli.Parser(prog="memory_plan.py", description=__doc__, add_help=False,
                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--help", "-h", action="store_true")
     ap.add_argument("--gpu-memory", type=float, default=79.6,

@@ -75,10 +75,12 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
-from modelzoo import (  # noqa: E402 (after the path)
+import cli  # noqa: E402 (after the path)
+from modelzoo import (  # noqa: E402
     SHRINK_DEPTH,
     SHRINKS,
     OpenClipLike,
@@ -119,20 +121,12 @@ ANCHOR_RATE = 1152 / 173 / 8  # images per GPU-second
 PHASES = ("rollout", "score", "recast", "update", "eval")
 
 
-def fail(flag: str, message: str):
-    print(f"scale_check.py: error: {flag}: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        flag, _, detail = message.partition(": ")
-        fail(flag.removeprefix("argument ").split("/")[0] if "argument " in flag else "usage",
-             detail or message)  # fmt: skip
+def fail(flag: str, message: str) -> NoReturn:
+    cli.fail(flag, message, "scale_check.py")
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = _Parser(prog="scale_check.py", description=__doc__,
+    ap = cli.Parser(prog="scale_check.py", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", help="folder for scale_check.md (created; may exist)")
     ap.add_argument("--shrink", type=int, default=0,
