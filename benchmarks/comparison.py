@@ -30,9 +30,11 @@ ones finish). `report` uses every (budget, seed) whose runs of the study's arms 
 writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired difference
 from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and seconds
 to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same rule
-applied per budget to every training reward and both held-out judges; for the shift study the
-pre-registered decision; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
-uniform per arm) and weights.png (mean final W per arm and budget).
+applied per budget to every training reward and every held-out judge; for the shift study the
+pre-registered decision; for the settings studies the pairwise judge, the paper's three claims and
+the reruns' reproduction; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
+uniform per arm), weights.png (mean final W per arm and budget) and, for setting2, w_settings.png
+(ReCAST's W in both settings).
 
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
@@ -414,10 +416,11 @@ def decide(gap, budgets, judge_words, partial: bool) -> list[str]:
     return out
 
 
-def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> list[str]:
+def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], list[str]]:
     """The pairwise judge (benchmarks/judge.py) on the final eval images: per seed, the share of
     the eval pairs in which a's image is preferred (a tie counts half) minus ½, and the same rule
-    per budget. Runs archived without their images' distances have no line."""
+    per budget: (its line, its verdict per budget). Runs archived without their images' distances
+    have neither."""
     per = {}
     for lam in budgets:
         pairs = [(fin[lam, a, s].get("judge/distance"), fin[lam, b, s].get("judge/distance"))
@@ -426,13 +429,48 @@ def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> list[str]:
             per[lam] = [preference_rate(prefer_by_distance(torch.tensor(da), torch.tensor(db)))
                         - 0.5 for da, db in pairs]  # fmt: skip
     if not per:
-        return []
+        return [], []
     ds = {lam: paired(v, [0.0] * len(v)) for lam, v in per.items()}
     words = [verdict(d, se) for d, se in ds.values()]
     counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss"))
     each = "; ".join(f"{d + 0.5:.3f} ({d:+.3f} ± {se:.3f}) {w}"
                      for (d, se), w in zip(ds.values(), words, strict=True))  # fmt: skip
-    return [f"- {a} over {b}, pairwise judge (preference rate; − ½ ± SE): {counts} ({each})"]
+    return [f"- {a} over {b}, pairwise judge (preference rate; − ½ ± SE): {counts} ({each})"], words
+
+
+def claims_lines(a: str, base: str, gap_ds, judge_words, pair_words, partial: bool) -> list[str]:
+    """The paper's three claims as the settings protocol tests them, ReCAST (a) against uniform
+    (base), across the budgets: 1. the λ-weighted gap beats or matches; 2. every held-out judge
+    beats; 3. the pairwise judge's preference beats ½. Beats: ≥ 3 wins and no loss; matches: no
+    loss."""
+
+    def counted(words: list[str]) -> str:
+        return "/".join(str(words.count(w)) for w in ("win", "tie", "loss"))
+
+    def grade(words: list[str]) -> str:
+        return "beats" if beats(words) else "matches" if "loss" not in words else "loses"
+
+    gap_words = [verdict(d, se) for d, se in gap_ds]
+    mean = statistics.fmean(d for d, _ in gap_ds)
+    shown = {"beats": "shown (improves)", "matches": "shown (matches)", "loses": "not shown"}
+    judges = {m.removeprefix("eval/"): w for m, w in judge_words.items() if m.startswith("eval/")}
+    beaten = [j for j, w in judges.items() if beats(w)]
+    out = ["", f"The paper's three claims, {a} against {base} (win/tie/loss over the budgets; "
+           "beats: ≥ 3 wins and no loss, matches: no loss)" + (", so far" if partial else "")
+           + ":", "",
+           f"1. training rewards improve or match: λ-weighted gap {counted(gap_words)}, mean "
+           f"{mean:+.3f}, {grade(gap_words)}: {shown[grade(gap_words)]}",
+           "2. every held-out judge improves: "
+           + ", ".join(f"{j} {counted(w)} {grade(w)}" for j, w in judges.items())
+           + f": {len(beaten)} of {len(judges)} beat {base}: "
+           + ("shown" if len(beaten) == len(judges) else "not shown")]  # fmt: skip
+    if pair_words:
+        verdict3 = "shown" if beats(pair_words) else "not shown"
+        out.append(f"3. the independent judge prefers {a}: pairwise {counted(pair_words)}, "
+                   f"{grade(pair_words)} ½: {verdict3}")  # fmt: skip
+    else:
+        out.append("3. the independent judge prefers it: no eval images' distances: not measured")
+    return out
 
 
 def reproduction_lines(args, res, seeds, study: dict) -> list[str]:
@@ -531,16 +569,21 @@ def report(args) -> None:
     lines += ["", "Per training reward (gap closed) and per held-out judge (final score), the same "
               "rule per budget (" + ", ".join(budgets) + "):", ""]  # fmt: skip
     judge_words, metrics = {}, metrics_of(study)
+    pair_words = {}
     for a in arms[1:]:
         more, judge_words[a] = rule_lines(fin, seeds, budgets, a, base, metrics)
         lines += more
-        lines += pairwise_lines(fin, seeds, budgets, a, base)
+        more, pair_words[a] = pairwise_lines(fin, seeds, budgets, a, base)
+        lines += more
     for a, b, _ in study["pairs"]:
         lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
     if args.study == "shift":
         lines += decide(gap, budgets, judge_words, partial)
     if args.study == "scoring":
         lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
+    if args.study.startswith("setting"):  # ReCAST as shipped against the paper's claims
+        a = arms[1]
+        lines += claims_lines(a, base, summary[a], judge_words[a], pair_words[a], partial)
     if "reproduces" in study:
         lines += reproduction_lines(args, res, seeds, study)
     lines += ["", f"Does W's distance from uniform predict the gain? Per budget: the mean final "

@@ -248,6 +248,13 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
         table
     )
     assert "1.000 (+0.500 ± 0.000) win" in table
+    assert (
+        "1. training rewards improve or match: λ-weighted gap 5/0/0, mean +0.010, beats: shown"
+        in (table)
+    )
+    assert "2. every held-out judge improves: shape 0/5/0 matches, iou 0/5/0 matches," in table
+    assert ": 0 of 6 beat s2-uniform: not shown" in table
+    assert "3. the independent judge prefers s2-recast: pairwise 5/0/0, beats ½: shown" in table
     # the made-up W is 0.025 everywhere: uniform for equal λ, 0.30 from λ/T for 0.4,0.2,0.2,0.2
     assert "- λ = 0.25,0.25,0.25,0.25 (2 seeds): 0.00 → 0.00" in table
     assert "- λ = 0.4,0.2,0.2,0.2 (2 seeds): 0.30 → 0.30" in table
@@ -280,3 +287,5 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
         in (table)
     )
     assert "0.2,0.4,0.2,0.2 s1 (1.0e-04)" in table
+    assert "λ-weighted gap 0/5/0, mean +0.000, matches: shown (matches)" in table
+    assert "3. the independent judge prefers it: no eval images' distances: not measured" in table
