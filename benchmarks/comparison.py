@@ -651,7 +651,8 @@ def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
             ax.set_yticks(range(len(names)), names if j == 0 else [], fontsize=6)
             ax.set_title(f"{'setting 1' if i == 0 else 'setting 2'}, λ = {lam}", fontsize=7)
     for lam, ss in both.items():
-        out.append(f"- λ = {lam} ({len(ss)} seeds): {far['s1-recast', lam]:.2f} → "
+        n = f"{len(ss)} seed" + "s" * (len(ss) > 1)
+        out.append(f"- λ = {lam} ({n}): {far['s1-recast', lam]:.2f} → "
                    f"{far['s2-recast', lam]:.2f}")  # fmt: skip
     fig.suptitle("ReCAST's mean final W·T, setting 1 (top) and setting 2 (bottom); timestep 0 = "
                  "noise at the left", fontsize=8)  # fmt: skip
