@@ -638,13 +638,14 @@ def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
     rows = [("s1-recast", NAMES, lambda lam, s: evals(s1[lam, "s1-recast", s])[-1]["W"]),
             ("s2-recast", TOY2, lambda lam, s: fin[lam, "s2-recast", s]["W"])]  # fmt: skip
     fig, axes = plt.subplots(2, len(both), figsize=(2.4 * len(both), 3.2), squeeze=False)
-    out = ["", "ReCAST's mean final W in both settings (w_settings.png), L1 distance from uniform "
-           "per budget, setting 1 → setting 2:", ""]  # fmt: skip
+    out = ["", "ReCAST's mean final W in both settings (w_settings.png); per budget, the final "
+           "W's L1 distance from uniform (mean over seeds), setting 1 → setting 2:",
+           ""]  # fmt: skip
     far = {}
     for i, (arm, names, W_of) in enumerate(rows):
         for j, (lam, ss) in enumerate(both.items()):
             W = torch.tensor([W_of(lam, s) for s in ss]).mean(0)
-            far[arm, lam] = l1_from_uniform(W.tolist(), lam)
+            far[arm, lam] = statistics.fmean(l1_from_uniform(W_of(lam, s), lam) for s in ss)
             ax = axes[i][j]
             ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
             ax.set_xticks([])
