@@ -626,6 +626,15 @@ def report(args) -> None:
     print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
 
 
+def draw_w(ax, Ws: list, names: list[str]) -> None:
+    """One panel of weights.png / w_settings.png: the mean of these final W, times T (uniform
+    weighting is λ_k·T per row), reward names on the rows when given."""
+    W = torch.tensor(Ws).mean(0)
+    ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
+    ax.set_xticks([])
+    ax.set_yticks(range(W.shape[0]), names, fontsize=6)
+
+
 def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
     """ReCAST's mean final W in setting 1 (the s1-recast reruns) above setting 2's, per budget,
     over the seeds both settings have finished: w_settings.png, and each W's L1 distance from
@@ -644,12 +653,9 @@ def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
     far = {}
     for i, (arm, names, W_of) in enumerate(rows):
         for j, (lam, ss) in enumerate(both.items()):
-            W = torch.tensor([W_of(lam, s) for s in ss]).mean(0)
             far[arm, lam] = statistics.fmean(l1_from_uniform(W_of(lam, s), lam) for s in ss)
             ax = axes[i][j]
-            ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
-            ax.set_xticks([])
-            ax.set_yticks(range(len(names)), names if j == 0 else [], fontsize=6)
+            draw_w(ax, [W_of(lam, s) for s in ss], names if j == 0 else [])
             ax.set_title(f"{'setting 1' if i == 0 else 'setting 2'}, λ = {lam}", fontsize=7)
     for lam, ss in both.items():
         n = f"{len(ss)} seed" + "s" * (len(ss) > 1)
@@ -701,11 +707,8 @@ def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) 
     fig, axes = plt.subplots(len(shown), len(budgets), figsize=size, squeeze=False)
     for i, a in enumerate(shown):
         for j, lam in enumerate(budgets):
-            W = torch.tensor([fin[lam, a, s]["W"] for s in seeds[lam]]).mean(0)
             ax = axes[i][j]
-            ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
-            ax.set_xticks([])
-            ax.set_yticks(range(len(names)), names if j == 0 else [], fontsize=6)
+            draw_w(ax, [fin[lam, a, s]["W"] for s in seeds[lam]], names if j == 0 else [])
             if i == 0:
                 ax.set_title(f"λ = {lam}", fontsize=7)
             if j == 0:
