@@ -44,14 +44,20 @@ import rewards
 import toyworld
 from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
-from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains
+from kernels.renyi import (
+    gain_profiles,
+    group_optimality,
+    joint_optimality,
+    recast_weights,
+    renyi_gains,
+)
 from plots import centroid
 
 
 @dataclass
 class Args:
     # a flag's value in runs made before the flag existed (their args.json lacks it)
-    BEFORE: ClassVar[dict] = {"gain_shift": 0}
+    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward"}
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
@@ -72,6 +78,10 @@ class Args:
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
     reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
     score no step prediction (DiffusionNFT's cost)"""
+    normalize: str = "per-reward"
+    """per-reward (each reward's advantage divided by its own group spread) | joint (every
+    reward's centred score divided by the group spread of the λ-weighted sum, so W = λ/T is
+    --weighting sum exactly): DESIGN §3; not with --weighting sum, which is one reward"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -218,11 +228,14 @@ def score_all(reward_fns: dict, images: torch.Tensor, prompts: list[str]) -> tor
 
 
 def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
-    """r (K, N) in [0, 1] per reward and group; with --weighting sum, DiffusionNFT's single
-    reward Σ_k λ_k s_k (1, N)."""
+    """r (K, N) per reward and group: in [0, 1] with --normalize per-reward, scaled by the
+    λ-weighted sum's spread with joint (the loss clamps the mix); with --weighting sum,
+    DiffusionNFT's single reward Σ_k λ_k s_k (1, N)."""
     G, A = run.args.group_size, run.args.adv_clip_max
     if run.args.weighting == "sum":
         return group_optimality((run.lam.to(final) @ final)[None], G, A)
+    if run.args.normalize == "joint":
+        return joint_optimality(final, run.lam, G, A)
     return group_optimality(final, G, A)
 
 
@@ -663,10 +676,14 @@ def setup(argv: list[str] | None) -> Run:
         "weighting": ["recast", "uniform", "sum", "reversed"],
         "log": ["none", "tensorboard"],
         "score_precision": ["fp32", "bf16"],
+        "normalize": ["per-reward", "joint"],
     }
     args = cli.parse(Args, argv, __doc__, choices)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
+        cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
+                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
     if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
         cli.fill_defaults(args, argv, {"gain_shift": 0})
     chosen = scoring_defaults(args, argv)

@@ -428,6 +428,65 @@ def test_single_reward_uniform_loss_is_diffusionnft():
     assert torch.allclose(got, expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("adv_clip_max", [5.0, 0.8])  # 0.8: the summed reward's clip binds
+def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
+    """DESIGN §3: --normalize joint --weighting uniform is --weighting sum's loss and gradient on
+    the same batch, to float rounding, clip included (the loss clamps the mix r̄ to [0, 1])."""
+    from kernels.nft_loss import nft_loss
+    from kernels.renyi import group_optimality, joint_optimality
+
+    gen = torch.Generator().manual_seed(0)
+    K, G, M, T, beta = 4, 8, 6, 10, 0.1
+    N = G * M
+    scale = torch.tensor([1.0, 0.1, 3.0, 0.5])[:, None]  # rewards on very different scales
+    scores = scale * torch.randn(K, N, generator=gen)
+    scores[:, :G] = 0.3  # a constant group: r = 1/2 in both
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    r_sum = group_optimality((lam.float() @ scores)[None], G, adv_clip_max)  # (1, N)
+    r_joint = joint_optimality(scores, lam, G, adv_clip_max)  # (K, N), not clipped per reward
+    assert (r_joint[:, :G] == 0.5).all()
+    if adv_clip_max < 1:  # the clip binds in the sum, and a reward's own A_k leaves [0, 1]
+        assert ((r_sum == 0) | (r_sum == 1)).any() and ((r_joint < 0) | (r_joint > 1)).any()
+    v_theta, v_old, x0, eps = (torch.randn(N, 3, 8, 8, generator=gen) for _ in range(4))
+    t_index = torch.randint(T, (N,), generator=gen)
+    t = torch.linspace(1, 0.05, T)[t_index]
+
+    def loss_and_grad(r, W):
+        v = v_theta.clone().requires_grad_()
+        loss = nft_loss(v, v_old, x0, eps, t, t_index, r.T, W, beta, adv_clip_max)
+        loss.backward()
+        return loss.detach(), v.grad
+
+    summed = loss_and_grad(r_sum, torch.full((1, T), 1 / T))
+    joint = loss_and_grad(r_joint, (lam[:, None] / T).expand(K, T).float())
+    torch.testing.assert_close(joint[0], summed[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(joint[1], summed[1], rtol=1e-5, atol=1e-9)
+    per_reward = loss_and_grad(group_optimality(scores, G, adv_clip_max),
+                               (lam[:, None] / T).expand(K, T).float())  # fmt: skip
+    assert (per_reward[1] - summed[1]).abs().max() > 0.1 * summed[1].abs().max()  # it matters
+
+
+def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path):
+    """A whole run: --normalize joint --weighting uniform's first epoch has --weighting sum's
+    rollout, rewards and loss (to float rounding); the flag is saved, and a resume that changes it
+    exits 2."""
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY, "--epochs", "1", "--eval-every", "1"]
+    run_recast(*flags, "--weighting", "sum", "--out", str(tmp_path / "sum"))
+    run_recast(*flags, "--weighting", "uniform", "--normalize", "joint", "--out",
+               str(tmp_path / "joint"))  # fmt: skip
+    from checkpoint import read_metrics
+
+    a, b = (read_metrics(str(tmp_path / n))[1] for n in ("sum", "joint"))
+    assert {k: v for k, v in a.items() if k.startswith("reward/")} == {
+        k: v for k, v in b.items() if k.startswith("reward/")
+    }
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert json.loads((tmp_path / "joint" / "args.json").read_text())["normalize"] == "joint"
+    moved = run_recast(*flags, "--weighting", "uniform", "--normalize", "per-reward", "--epochs",
+                       "2", "--resume", "--out", str(tmp_path / "joint"), check=False)  # fmt: skip
+    assert moved.returncode == 2 and "--normalize" in moved.stderr
+
+
 def run_recast(*flags, check=True, **kw):
     return subprocess.run(
         [sys.executable, os.path.join(HERE, "recast.py"), *flags],
@@ -557,6 +616,11 @@ BAD_INPUT = [
     ),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "sum"], "--gain-shift"),
     (["--lambda", "0.4,0.2,0.2", "--rewards", "toy2"], "--lambda"),  # the preset has four
+    (["--lambda", "0.4,0.2,0.2,0.2", "--normalize", "global"], "--normalize"),
+    (
+        ["--lambda", "0.4,0.2,0.2,0.2", "--normalize", "joint", "--weighting", "sum"],
+        "--normalize",
+    ),  # sum is one reward: normalising it jointly means nothing  # fmt: skip
 ]
 
 

@@ -21,7 +21,7 @@ epochs for the curves):
     python benchmarks/comparison.py run [--study shift] [--stop-after 150]  # resumable; 2 at once
     python benchmarks/comparison.py report [--study shift]                  # tables and figures
     python benchmarks/comparison.py archive              # finished runs → docs/comparison/
-    python benchmarks/comparison.py reproduce            # rerun two archived runs, compare
+    python benchmarks/comparison.py reproduce [--arms A,B]  # rerun archived runs, compare
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
@@ -104,6 +104,9 @@ ARMS.update({
     "s2-uniform": [*SETTING2, "--weighting", "uniform"],
     "s2-recast": [*SETTING2, *SHIPPED],
     "s2-sum": [*SETTING2, "--weighting", "sum"],
+    "s1-sum": [*SETTING1, "--weighting", "sum"],  # the tau study's sum kept no eval images
+    "s1-recast-joint": [*SETTING1, *SHIPPED, "--normalize", "joint"],
+    "s2-recast-joint": [*SETTING2, *SHIPPED, "--normalize", "joint"],
 })  # fmt: skip
 
 
@@ -157,6 +160,19 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
     "setting2": {  # the pre-registered test in a setting nothing was tuned on (docs/results.md)
         "arms": ["s2-uniform", "s2-recast", "s2-sum"],
         "pairs": [],
+        "names": TOY2,
+        "judges": JUDGES2,
+    },
+    # Development (#38, in-sample): ReCAST on joint normalisation against uniform, sum and
+    # ReCAST as shipped, in both settings; the rule that picks the candidate is in results.md.
+    "dev1": {
+        "arms": ["s1-uniform", "s1-sum", "s1-recast", "s1-recast-joint"],
+        "pairs": [(a, "s1-sum", f"{a} against sum") for a in ("s1-recast", "s1-recast-joint")],
+        "judges": JUDGES1,
+    },
+    "dev2": {
+        "arms": ["s2-uniform", "s2-sum", "s2-recast", "s2-recast-joint"],
+        "pairs": [(a, "s2-sum", f"{a} against sum") for a in ("s2-recast", "s2-recast-joint")],
         "names": TOY2,
         "judges": JUDGES2,
     },
@@ -577,6 +593,7 @@ def report(args) -> None:
         lines += more
     for a, b, _ in study["pairs"]:
         lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
+        lines += pairwise_lines(fin, seeds, budgets, a, b)[0]
     if args.study == "shift":
         lines += decide(gap, budgets, judge_words, partial)
     if args.study == "scoring":
@@ -723,14 +740,13 @@ def reproduce(args) -> None:
     """Rerun the REPRODUCE runs with --code's recast.py into OUT/reproduce/ and compare every
     eval/gap value at every eval with the archive's; exit 1 beyond REPRODUCE_TOL."""
     kept = read_archive(args.archive)
-    paths = [
-        os.path.join(args.out, "reproduce", os.path.basename(folder("", *k))) for k in REPRODUCE
-    ]
+    keys = [(BUDGETS[0], a, 0) for a in args.arms.split(",")] if args.arms else REPRODUCE
+    paths = [os.path.join(args.out, "reproduce", os.path.basename(folder("", *k))) for k in keys]
     os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
     print(f"rerunning {len(paths)} archived runs with recast.py of {args.code}", flush=True)
     with tqdm(total=len(paths), unit="run") as bar, ThreadPoolExecutor(2) as pool:
         jobs = [pool.submit(run_one, args.code, path, *key, math.inf, bar)
-                for path, key in zip(paths, REPRODUCE, strict=True) if not done(path)]  # fmt: skip
+                for path, key in zip(paths, keys, strict=True) if not done(path)]  # fmt: skip
         for job in jobs:
             job.result()
     worst = 0.0
@@ -772,9 +788,10 @@ if __name__ == "__main__":
                     help="the checkout whose recast.py `run` runs: a sweep keeps one commit from "
                          "its first run to its last (docs/results.md names it)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
-    ap.add_argument(
-        "--arms", default="", help="run: only these arms of the study (comma-separated)"
-    )
+    ap.add_argument("--arms", default="",
+                    help="run: only these arms of the study; reproduce: rerun these arms' "
+                         "archived runs at the first budget, seed 0, instead of REPRODUCE "
+                         "(comma-separated)")  # fmt: skip
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()

@@ -5,7 +5,7 @@ What it computes
 For N images at training timesteps t_n (flattened to (N, D)), with K rewards mixed by a weight
 matrix W (K, T) at the image's timestep index i_n = t_index[n]:
 
-    a_n = Σ_k W[k, i_n] r[n, k]            c_n = Σ_k W[k, i_n]
+    a_n = clamp(Σ_k W[k, i_n] r[n, k], 0, c_n)    c_n = Σ_k W[k, i_n]
     x_t = (1 - t) x0 + t ε                 (ε = noise)
     v⁺ = β vθ + (1 - β) v_old              v⁻ = (1 + β) v_old - β vθ
     e± = (x_t - t v±) - x0                 w± = max(mean_d |e±|, 1e-5)   (no gradient)
@@ -67,7 +67,9 @@ CHECK_VALUES is True (`kernels.nft_loss.CHECK_VALUES = True`, a debugging switch
 blocks the host until the GPU has caught up), and never while torch.compile traces or on meta and
 fake tensors, which have no values to read. Without the check, a row whose t_index lies outside
 [0, T) gets a NaN loss and a NaN gradient (W is never read out of bounds), so the loss is NaN.
-t is not checked to lie in (0, 1], nor r in [0, 1].
+t is not checked to lie in (0, 1], nor r in [0, 1]: the mix a is clamped to [0, c], so r̄ = a/c
+lies in [0, 1] whatever r holds (a no-op for r in [0, 1] and W ≥ 0; DESIGN §3's joint
+normalisation relies on it).
 
 Tracing, torch.compile and memory plans
 ---------------------------------------
@@ -215,8 +217,8 @@ def _reference_loss(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_
     v_theta = v_theta.reshape(n, -1)
     v_old, x0, noise = (x.detach().reshape(n, -1) for x in (v_old, x0, noise))
     w_cols = W.detach().to(dtype)[:, t_index].T  # (N, K): each image's column of W
-    a = (w_cols * r.detach().to(dtype)).sum(1)  # (N,)
     c = w_cols.sum(1)  # (N,)
+    a = torch.minimum((w_cols * r.detach().to(dtype)).sum(1).clamp_min(0), c)  # (N,): r̄ ∈ [0, 1]
     t = t.detach().to(dtype)[:, None]  # (N, 1)
     x_t = (1 - t) * x0 + t * noise
     v_pos = beta * v_theta + (1 - beta) * v_old
@@ -362,7 +364,8 @@ def _nft_rows_kernel(
         mean_abs_neg = tl.sum(tl.load(part + n_chunks, mask=part_mask, other=0.0), axis=1) / D
         mean_sq_pos = tl.sum(tl.load(part + 2 * n_chunks, mask=part_mask, other=0.0), axis=1) / D
         mean_sq_neg = tl.sum(tl.load(part + 3 * n_chunks, mask=part_mask, other=0.0), axis=1) / D
-        # 2. Mixed optimality a = Σ_k W[k, i] r[n, k], c = Σ_k W[k, i]; NaN where i ∉ [0, T).
+        # 2. Mixed optimality a = clamp(Σ_k W[k, i] r[n, k], 0, c), c = Σ_k W[k, i]; NaN where
+        #    i ∉ [0, T).
         step = tl.load(t_index_ptr + rows * stride_ti, mask=row_ok, other=0)
         step_ok = (step >= 0) & (step < n_steps)
         wk_mask = (row_ok & step_ok)[:, None] & k_mask[None, :]
@@ -374,8 +377,10 @@ def _nft_rows_kernel(
             mask=row_ok[:, None] & k_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        a = tl.where(step_ok, tl.sum(w_cols * r_rows, axis=1), float("nan"))
         c = tl.sum(w_cols, axis=1)
+        a = tl.sum(w_cols * r_rows, axis=1)  # NaN in r stays NaN: the loss reports it
+        a = tl.minimum(tl.maximum(a, 0.0, tl.PropagateNan.ALL), c, tl.PropagateNan.ALL)
+        a = tl.where(step_ok, a, float("nan"))
         # 3. w± = max(t·mean|f±|, 1e-5), L± = t²·mean(f±)²/w±, the row's loss.
         t = tl.load(t_ptr + rows * stride_t, mask=row_ok, other=1.0).to(tl.float32)
         w_pos = tl.maximum(t * mean_abs_pos, 1e-5)

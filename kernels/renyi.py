@@ -8,6 +8,9 @@ scores (K, T+1, N): reward k on image n's step-i clean prediction (i < T) and on
 
 - Optimality of the final images, per group (group_optimality):
   A = (s_T - mean) / (std + 1e-4) clipped to ±A_max (population std), r = 1/2 + A / (2 A_max).
+  (joint_optimality, --normalize joint: the same with every reward's centred scores divided by
+  the spread of the λ-weighted sum Σ_k λ_k s_k, unclipped; the gains below always use the
+  reward's own r.)
 - For each step i, the best linear predictor of r from the step's own scores:
   z = (s_i - mean_group s_i) / (std_group s_T + 1e-4),
   b = Σ z (r - mean_group r) / Σ z²   (pooled over all groups; b = 0 when Σ z² = 0),
@@ -164,6 +167,38 @@ def group_optimality(
         if not bool(torch.isfinite(final_scores).all()):
             raise ValueError("final_scores contains NaN or inf")
     return _group_optimality(final_scores, group_size, adv_clip_max)
+
+
+def joint_optimality(
+    final_scores: torch.Tensor, lam: torch.Tensor, group_size: int, adv_clip_max: float = 5.0
+) -> torch.Tensor:
+    """DESIGN §3, joint normalisation: r (K, N) of scores (K, N), each reward's centred scores
+    divided by the group spread of the λ-weighted sum Σ_k λ_k s_k instead of its own:
+    A_k = (s_k - mean_group s_k) / (std_group Σ_k λ_k s_k + 1e-4), r_k = 1/2 + A_k / (2 A_max).
+
+    Not clipped per reward: Σ_k λ_k A_k is the summed reward's advantage, and the loss clamps the
+    mix r̄ = Σ_k T W_k,i r_k to [0, 1] (the mixed advantage to ±A_max, kernels/nft_loss.py), so
+    W = λ/T gives the summed reward's r̄ exactly, clip included. A group whose summed score is
+    constant gets r = 1/2 for every reward, as the summed reward does.
+    """
+    if not isinstance(final_scores, torch.Tensor) or final_scores.ndim != 2:
+        raise ValueError("final_scores must be a tensor of shape (K, N)")
+    if not final_scores.is_floating_point():
+        raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
+    if not isinstance(lam, torch.Tensor) or lam.shape != final_scores.shape[:1]:
+        raise ValueError(f"lam must have shape ({final_scores.shape[0]},), one budget per reward")
+    _check_group_size(final_scores.shape[-1], group_size)
+    _check_adv_clip_max(adv_clip_max)
+    if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
+        if not bool(torch.isfinite(final_scores).all()):
+            raise ValueError("final_scores contains NaN or inf")
+    summed = (lam.to(final_scores) @ final_scores).unflatten(-1, (-1, group_size))  # (M, G)
+    s = final_scores.unflatten(-1, (-1, group_size))  # (K, M, G)
+    std = summed.std(-1, correction=0, keepdim=True)
+    adv = (s - s.mean(-1, keepdim=True)) / (std + _STD_EPS)
+    flat = summed.amax(-1, keepdim=True) == summed.amin(-1, keepdim=True)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
 
 
 def _check_inputs(scores, group_size, alpha, adv_clip_max) -> None:

@@ -105,6 +105,24 @@ def test_nft_loss_matches_reference(dtype, shape, with_ref):
     assert loss.dtype == torch.float32 and grad.dtype == dtype and grad.shape == (n, *image_shape)
 
 
+def test_nft_loss_clamps_the_mix_to_zero_and_c():
+    """r outside [0, 1] (joint normalisation, DESIGN §3): the kernel and the reference clamp
+    a = Σ_k W r to [0, c], so r̄ = a / c ∈ [0, 1]; rows whose mix stays inside are unchanged."""
+    inputs = make_nft_inputs(16, (3, 8, 8), seed=3)
+    r = inputs["r"]
+    r[2:6] = 3.0  # a > c: clamped to c, as r = 1
+    r[6:10] = -2.0  # a < 0: clamped to 0, as r = 0
+    kwargs = dict(beta=0.7, adv_clip_max=5.0)
+    clamped = {**inputs, "r": r.clamp(0, 1)}
+    inputs.pop("v_ref"), clamped.pop("v_ref")
+    for fn in (nft.nft_loss, nft.reference_nft_loss):
+        loss, grad = loss_and_grad(fn, inputs, **kwargs)
+        want, want_grad = loss_and_grad(fn, clamped, **kwargs)
+        torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-9)
+    within_rule(nft.nft_loss, inputs, **kwargs)  # and the kernel stays the reference
+
+
 def test_nft_loss_runs_the_kernel():
     """Guards the tests above against comparing the reference with itself."""
     assert nft._INTERPRET or DEVICE.type == "cuda"
