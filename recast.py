@@ -34,15 +34,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import checkpoint
-import cli
-import eval_images
-import hub
-import plots
-import reward_profile
 import rewards
-import toyworld
-from checkpoint import epoch_generator, gather, init_processes, mean_all, same_on_all_ranks
 from kernels.nft_loss import nft_loss
 from kernels.renyi import (
     gain_profiles,
@@ -51,7 +43,20 @@ from kernels.renyi import (
     recast_weights,
     renyi_gains,
 )
-from plots import centroid
+from plumbing import (
+    checkpoints,
+    cli,
+    distributed,
+    eval_images,
+    plots,
+    reward_profile,
+    rundir,
+    tblog,
+)
+from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks
+from plumbing.plots import timestep_centroid
+from plumbing.seeding import epoch_generator
+from worlds import hub, toyworld
 
 
 @dataclass
@@ -64,8 +69,8 @@ class Args:
     rewards: str = ",".join(toyworld.ToyWorld.reward_names)
     """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
     model: str = "toy"
-    """'toy' (the tiny model shipped in toy_model/) or a diffusers pipeline's folder or hub id
-    (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
+    """'toy' (the tiny model shipped in worlds/toy_model/) or a diffusers pipeline's folder or hub
+    id (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
     prompts_file: str = ""
     """training prompts, one per line (needed with --model other than toy)"""
     eval_prompts_file: str = ""
@@ -390,7 +395,7 @@ class EvalSet:
         if self.ideal is not None:
             history[0].update({f"ideal/{k}": v for k, v in self.ideal_eval.items()})
         if run.rank == 0:
-            checkpoint.append_metrics(args.out, history[0])
+            checkpoints.append_metrics(args.out, history[0])
         run.log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in self.base.items()))
 
     def score(self, which: str = "policy", scorers: dict | None = None):
@@ -442,7 +447,9 @@ def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
         " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
     ]
     parts.append(f"loss {m['loss']:.4f}")
-    parts.append("centroid(W) " + " ".join(f"{c:.1f}" for c in centroid(W.double()).tolist()))
+    parts.append(
+        "centroid(W) " + " ".join(f"{c:.1f}" for c in timestep_centroid(W.double()).tolist())
+    )
     if "gap/weighted" in m:
         parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
     parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
@@ -465,7 +472,7 @@ class Run:
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
     params: list
     optimizer: torch.optim.Optimizer
-    tensorboard: object = None  # checkpoint.TensorBoard on rank 0 with --log tensorboard
+    tensorboard: object = None  # tblog.TensorBoard on rank 0 with --log tensorboard
 
     def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
         if self.rank == 0:
@@ -498,48 +505,55 @@ def main(argv: list[str] | None = None) -> None:
     if run.args.profile:  # before training: where is each reward informative?
         return profile(run)
     args, world, names = run.args, run.world, run.names
-    ckpt = checkpoint.start_or_resume(args, world, run.optimizer, run.rank, run.log)
+    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
-    evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
-    if args.log == "tensorboard" and run.rank == 0:
-        run.tensorboard = checkpoint.TensorBoard(args.out)
-        run.tensorboard.epoch(history[0], args.out, pictures=False)
-    stop = checkpoint.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
-    for epoch in range(start, args.epochs + 1):
-        m = {"epoch": epoch}
-        with timed(m, "rollout"):  # 1. the old policy samples G images per prompt (DESIGN §2)
-            prompts, my_prompts, x0, preds = rollout(run, epoch)
-        with timed(m, "score"):  # 2. rewards → optimality r per reward and group (DESIGN §3)
-            per_image = [p for p in my_prompts for _ in range(args.group_size)]
-            final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
-        with timed(m, "recast"):  # 3. step scores, gains, W: ReCAST's own cost (DESIGN §4-5)
-            with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: W needs none
-            with_steps = with_steps and (epoch - 1) % args.gain_every == 0
-            step_scores = score_steps(run, preds, final, per_image) if with_steps else None
-            final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
-            r = optimality(run, final)
-            W, gains_ema = weights(run, step_scores, gains_ema, m)
-        m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
-        m["groups/constant"] = int((final.view(len(names), -1, args.group_size).std(2) == 0).sum())
-        m["W"] = W.tolist()
-        with timed(m, "update"):  # 4. the NFT update, rewards mixed per timestep by W (DESIGN §6)
-            m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
-        m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (DESIGN §6)
-        world.update_old(m["decay"])
-        if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
-            held = {"W": W, **world.state_dict()}
-            m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
-        last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
-        if epoch % args.eval_every == 0 or last:
-            with timed(m, "eval"):
-                evals(epoch, m)
-        save_epoch(run, m, W, gains_ema, opt_steps, history, last)
-        if stop.signum:  # the same on every rank: they stop after the same epoch
-            run.log(f"stopped after epoch {epoch}; continue: "
-                    f"{checkpoint.resume_command(args.out)}")  # fmt: skip
-            break
+    with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1, naming this run's checkpoint
+        evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
+        if args.log == "tensorboard" and run.rank == 0:
+            run.tensorboard = tblog.TensorBoard(args.out)
+            run.tensorboard.epoch(history[0], args.out, pictures=False)
+        stop = rundir.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
+        for epoch in range(start, args.epochs + 1):
+            m = {"epoch": epoch}
+            with timed(m, "rollout"):  # 1. the old policy samples G images per prompt (DESIGN §2)
+                prompts, my_prompts, x0, preds = rollout(run, epoch)
+            with timed(m, "score"):  # 2. rewards → optimality r per reward and group (DESIGN §3)
+                per_image = [p for p in my_prompts for _ in range(args.group_size)]
+                final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
+            with timed(m, "recast"):  # 3. step scores, gains, W: ReCAST's own cost (DESIGN §4-5)
+                with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: W needs none
+                with_steps = with_steps and (epoch - 1) % args.gain_every == 0
+                step_scores = score_steps(run, preds, final, per_image) if with_steps else None
+                final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
+                r = optimality(run, final)
+                W, gains_ema = weights(run, step_scores, gains_ema, m)
+            m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
+            m["groups/constant"] = int(
+                (final.view(len(names), -1, args.group_size).std(2) == 0).sum()
+            )
+            m["W"] = W.tolist()
+            with timed(
+                m, "update"
+            ):  # 4. the NFT update, rewards mixed per timestep by W (DESIGN §6)
+                m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
+            m["decay"] = min(
+                args.decay_rate * opt_steps, args.decay_cap
+            )  # 5. old policy (DESIGN §6)
+            world.update_old(m["decay"])
+            if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
+                held = {"W": W, **world.state_dict()}
+                m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
+            last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
+            if epoch % args.eval_every == 0 or last:
+                with timed(m, "eval"):
+                    evals(epoch, m)
+            save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+            if stop.signum:  # the same on every rank: they stop after the same epoch
+                run.log(f"stopped after epoch {epoch}; continue: "
+                        f"{checkpoints.resume_command(args.out)}")  # fmt: skip
+                break
     if run.rank == 0 and not stop.signum:
-        checkpoint.write_summary(args, history, evals.base, names, run.log)
+        rundir.write_summary(args, history, evals.base, names, run.log)
     if run.tensorboard:
         run.tensorboard.close()
     if dist.is_initialized():
@@ -560,7 +574,7 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
         )
     history.append(m)
     if run.rank == 0:
-        checkpoint.append_metrics(args.out, m)
+        checkpoints.append_metrics(args.out, m)
         profiles = (
             None if gains_ema is None else gain_profiles(gains_ema, args.floor, args.gain_shift)
         )
@@ -573,7 +587,7 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
         if epoch % args.ckpt_every == 0 or last:
             gains_list = gains_ema.tolist() if gains_ema is not None else None
             state = {"opt_steps": opt_steps, "gains_ema": gains_list}
-            checkpoint.save(args.out, epoch, run.world.state_dict(), run.optimizer.state_dict(),
+            checkpoints.save(args.out, epoch, run.world.state_dict(), run.optimizer.state_dict(),
                             state)  # fmt: skip
     run.log(log_line(m, run.names, W))
 
@@ -583,13 +597,13 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
 # ---------------------------------------------------------------------------------------------
 def profile(run: "Run") -> None:
     """--profile: the base model's (or --resume's latest policy's) rollout of one epoch, every
-    step prediction scored by every reward (DESIGN §4), and what reward_profile.py makes of the
-    gains (profiles and W of DESIGN §5 with their bootstrap spread): printed, and written to
-    OUT/profile.png and OUT/profile.json."""
+    step prediction scored by every reward (DESIGN §4), and what plumbing/reward_profile.py makes
+    of the gains (profiles and W of DESIGN §5 with their bootstrap spread): printed, and written
+    to OUT/profile.png and OUT/profile.json."""
     args, world, G = run.args, run.world, run.args.group_size
     tic, source, epoch = time.perf_counter(), "the base model", 1
     if args.resume:
-        ckpt = checkpoint.load_latest(args.out, run.log)
+        ckpt = checkpoints.load_latest(args.out, run.log)
         if ckpt is None:
             cli.fail("--resume", f"{args.out} has no usable checkpoint to profile")
         world.load_state_dict({k: v.to(world.device) for k, v in ckpt[0].items()})
@@ -607,7 +621,7 @@ def profile(run: "Run") -> None:
     if run.rank > 0:
         return
     os.makedirs(args.out, exist_ok=True)
-    checkpoint.write_json_atomic(os.path.join(args.out, "profile.json"), p)
+    checkpoints.write_json_atomic(os.path.join(args.out, "profile.json"), p)
     plots.save_weights_figure(
         os.path.join(args.out, "profile.png"), p["W"], p["profiles"], run.lam, run.names,
         run.sigmas.cpu(), f"profile of {source}: {p['images_scored']} images in {p['groups']} "
@@ -633,12 +647,11 @@ def is_diffusers(model: str) -> bool:
 
 
 def load_world(args: Args, device: torch.device):
-    """The world: models, prompts, latent shape, sampler schedule (toyworld.py, or
-    diffusersworld.py with the family part that families.py picks)."""
+    """The world: models, prompts, latent shape, sampler schedule (worlds/toyworld.py, or
+    worlds/diffusersworld.py with the family part that worlds/families.py picks)."""
     if not is_diffusers(args.model):
         return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    import diffusersworld
-    import families
+    from worlds import diffusersworld, families
 
     try:
         return families.load(args, device)
@@ -663,7 +676,7 @@ def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
     fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set."""
     if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
         return {}
-    import diffusersworld
+    from worlds import diffusersworld
 
     values = diffusersworld.scoring_defaults(args.prompts)
     if args.profile:
@@ -690,7 +703,7 @@ def setup(argv: list[str] | None) -> Run:
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
     if chosen and rank0:
-        import diffusersworld
+        from worlds import diffusersworld
 
         said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
                         f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
@@ -715,14 +728,14 @@ def setup(argv: list[str] | None) -> Run:
         cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
                  "'org/name'")  # fmt: skip
     if is_diffusers(args.model):
-        import diffusersworld
+        from worlds import diffusersworld
 
         try:
             diffusersworld.check(args, names, judges)  # --rewards, --judges, --prompts-file
         except diffusersworld.BadInput as e:
             cli.fail(e.flag, str(e))
     if args.resume and not args.profile and rank0:
-        checkpoint.lock_run(args.out)  # another live run in this folder: exit 2, at once
+        rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
     rank, device = init_processes(args, distributed)
     world = load_world(args, device)
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
@@ -751,4 +764,4 @@ def setup(argv: list[str] | None) -> Run:
 
 
 if __name__ == "__main__":  # a fault of the run (not of the code): exit 1 and one line
-    checkpoint.run_main(main, (rewards.RewardError, FloatingPointError))
+    rundir.run_main(main, (rewards.RewardError, FloatingPointError))

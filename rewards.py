@@ -6,7 +6,7 @@ names to held-out judges that training never sees. To plug in your own reward, a
 that signature to `REWARDS` (or register it with `@reward("name")`).
 
 The toy rewards, in the order `recast.py` uses them, each measuring one attribute of the toy world
-(toyworld.py) and each decided at a different point of denoising:
+(worlds/toyworld.py) and each decided at a different point of denoising:
 - `position`:   minus the distance (pixels) of the object's centroid from the requested place;
 - `color`:      minus the mean RGB distance from the requested colour over the object's interior
                 (its mask eroded by a pixel): blotches and off-shades count, edges do not;
@@ -45,8 +45,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import hub
-import toyworld as tw
+from worlds import hub
+from worlds import toyworld as tw
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
 REWARDS: dict[str, RewardFn] = {}  # ready-to-call rewards
@@ -124,7 +124,7 @@ def _targets(prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
     return centres, colours
 
 
-def centroid(a: torch.Tensor) -> torch.Tensor:
+def mask_centre(a: torch.Tensor) -> torch.Tensor:
     """Mask-weighted centre (B, 2) as (x, y) in pixels."""
     H, W = a.shape[-2:]
     ys = torch.arange(H, device=a.device, dtype=a.dtype) + 0.5
@@ -139,7 +139,7 @@ def centroid(a: torch.Tensor) -> torch.Tensor:
 @reward("position")
 def position(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     centres, _ = _targets(prompts, images.device)
-    return -(centroid(soft_mask(_rgb(images))) - centres).norm(dim=1)
+    return -(mask_centre(soft_mask(_rgb(images))) - centres).norm(dim=1)
 
 
 @reward("color")
@@ -182,7 +182,7 @@ def background(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 def _second_moments(a: torch.Tensor) -> torch.Tensor:
     """Eigenvalues (B, 2), largest first, of the mask-weighted covariance of pixel positions."""
     H, W = a.shape[-2:]
-    c = centroid(a)
+    c = mask_centre(a)
     dx = torch.arange(W, device=a.device, dtype=a.dtype)[None, None] + 0.5 - c[:, :1, None]
     dy = torch.arange(H, device=a.device, dtype=a.dtype)[None, :, None] + 0.5 - c[:, 1:, None]
     mass = a.sum((1, 2)) + 1e-6
@@ -247,7 +247,7 @@ def _iou(m1: torch.Tensor, m2: torch.Tensor) -> torch.Tensor:
 @reward("shape", JUDGES)
 def shape(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     mask = hard_mask(images).cpu()
-    c = centroid(mask)
+    c = mask_centre(mask)
     scale = (mask.sum((1, 2)) / tw.AREA).clamp(min=1e-3).sqrt()
     fits = torch.stack(  # IoU with each candidate shape of the same area at the same centroid
         [_iou(mask, (tw.shape_sdf(s, c[:, 0], c[:, 1], scale) < 0).float()) for s in tw.SHAPES], 1

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import modelzoo
 import rewards
-import toyworld as tw
-from modelzoo import clip_tokenizer
-from plots import centroid
+from benchmarks import modelzoo
+from benchmarks.modelzoo import clip_tokenizer
+from plumbing.plots import timestep_centroid
+from worlds import toyworld as tw
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 P = tw.HELDOUT_PROMPTS
@@ -44,59 +44,124 @@ def _swap(prompts, slot, choices):
 # ---------------------------------------------------------------------------------------------
 # Structure: one-way imports
 # ---------------------------------------------------------------------------------------------
-def _project_imports() -> dict[str, set[str]]:
-    """module → the project modules it imports (anywhere in its body, lazy imports included)."""
-    files = {p.stem: p for p in Path(HERE).glob("*.py") if not p.stem.startswith("test_")}
-    files.pop("conftest", None)
-    files.update({f"kernels.{p.stem}": p for p in (Path(HERE) / "kernels").glob("[!t_]*.py")})
-    graph = {}
-    for name, path in files.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-        graph[name] = {m for m in found if m in files and m != name}
-    return graph
+FOLDERS = ("kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
+# Layers, lowest first: a module imports modules of its own layer or lower ones only. `rewards`
+# sits between the toy world (its rewards measure the toy world's pictures) and the diffusers
+# world (which loads reward models); the worlds, the rewards and the kernels are the leaves.
+LAYERS = [
+    ("kernels", "kernels."),
+    ("plumbing", "plumbing.", "worlds", "worlds.toyworld", "worlds.hub"),
+    ("rewards",),
+    ("worlds.",),
+    ("recast",),
+    ("benchmarks", "benchmarks.", "studies", "studies.", "examples", "examples."),
+]
+
+
+def layer_of(module: str) -> int:
+    """The highest layer whose prefixes name `module` (worlds.toyworld before worlds.)."""
+    for i, names in reversed(list(enumerate(LAYERS))):
+        for n in names:
+            if module == n or (n.endswith(".") and module.startswith(n)):
+                if not (n == "worlds." and module in LAYERS[1]):
+                    return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name → file of every project module (tests and conftest left out): the root's and
+    every FOLDERS' module; a folder's own __init__ is the folder's name."""
+    files = {p.stem: p for p in Path(HERE).glob("*.py") if p.stem not in ("conftest",)}
+    for folder in FOLDERS:
+        for p in (Path(HERE) / folder).rglob("*.py"):
+            parts = p.relative_to(HERE).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return {m: p for m, p in files.items() if not m.split(".")[-1].startswith("test_")}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every name an `import` in the file brings in (lazy imports included): `import a.b` gives
+    a.b; `from a import b` gives a.b and a."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    return found
+
+
+def project_imports() -> dict[str, set[str]]:
+    """module → the project modules it imports."""
+    files = project_modules()
+    return {m: {d for d in imports_of(p) if d in files and d != m} for m, p in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle as [a, b, …, a], or None: a depth-first search in which a module met again
+    on the stack closes a cycle."""
+    done, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            return [*stack[stack.index(m) :], m]
+        if m in done:
+            return None
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if cycle := visit(d):
+                return cycle
+        stack.pop()
+        done.add(m)
+        return None
+
+    return next((c for m in sorted(graph) if (c := visit(m))), None)
+
+
+def test_find_cycle_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_imports_are_one_way():
-    """Worlds, rewards and modelzoo are leaves (they never import the loop, its command line or
-    plumbing), kernels import only torch, triton and math, no benchmark imports a test file, and no
-    cycle exists among the project's modules."""
-    graph = _project_imports()
-    leaves = ("toyworld", "sd3world", "rewards", "modelzoo", "eval_images", "vlm_judge")
-    assert {"recast", *leaves, "kernels.nft_loss"} <= set(graph)
-    for leaf in leaves:
-        assert not graph[leaf] & {"recast", "cli", "checkpoint", "plots"}, (leaf, graph[leaf])
-    assert not any("recast" in deps for deps in graph.values()), graph
+    """Every module of the root and the folders sits in a layer and imports only its own layer or
+    lower ones (leaves: kernels, worlds, rewards; then recast.py; then the scripts that drive it);
+    the worlds and the rewards import neither the run plumbing nor recast.py; the plumbing imports
+    no world, reward or recast.py; kernels import only torch, triton and math; nothing but a test
+    imports a test; no project module is imported under a bare name it does not have (which would
+    load it twice); and there is no cycle."""
+    files, graph = project_modules(), project_imports()
+    assert {"recast", "rewards", "worlds.toyworld", "plumbing.rundir", "kernels.nft_loss",
+            "benchmarks.memory_plan", "studies.comparison"} <= set(graph)  # fmt: skip
+    for m, deps in graph.items():
+        for d in deps:
+            assert layer_of(d) <= layer_of(m), f"{m} (layer {layer_of(m)}) imports {d} (higher)"
+        if m.startswith("worlds.") or m == "rewards":
+            assert not {d for d in deps if d == "recast" or d.startswith("plumbing")}, (m, deps)
+        if m.startswith("plumbing."):
+            assert not {d for d in deps if d in ("recast", "rewards") or d.startswith("worlds")}, m
     for kernel in ("kernels.nft_loss", "kernels.renyi"):
-        tree = ast.parse((Path(HERE) / f"{kernel.replace('.', '/')}.py").read_text())
-        roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
-                 for a in n.names}  # fmt: skip
-        roots |= {n.module.split(".")[0] for n in ast.walk(tree)
-                  if isinstance(n, ast.ImportFrom) and n.module}  # fmt: skip
+        roots = {n.split(".")[0] for n in imports_of(files[kernel])}
         assert roots <= {"torch", "triton", "math", "__future__"}, (kernel, roots)
-    for path in (Path(HERE) / "benchmarks").glob("[!t]*.py"):  # a benchmark imports no test file
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not {m for m in names if m.split(".")[-1].startswith("test_")}, (path.name, names)
-    done, stack = set(), []
+    stems = {m.split(".")[-1] for m in files if "." in m} - set(files)
+    for m, path in files.items():
+        names = imports_of(path)
+        assert not {n for n in names if n.split(".")[-1].startswith("test_")}, (m, names)
+        bare = {n for n in names if n.split(".")[0] in stems}
+        assert not bare, f"{m} imports {bare} by a bare name: use the folder's (worlds.…)"
+    assert find_cycle(graph) is None, f"import cycle: {' → '.join(find_cycle(graph))}"
 
-    def visit(m):  # depth-first search; a module met again on the stack closes a cycle
-        assert m not in stack, f"import cycle: {' → '.join([*stack[stack.index(m) :], m])}"
-        if m in done:
-            return
-        stack.append(m)
-        for d in graph[m]:
-            visit(d)
-        stack.pop()
-        done.add(m)
 
-    for m in graph:
-        visit(m)
+def test_the_toy_path_loads_no_diffusers_world_and_help_no_torch():
+    """`import worlds.toyworld` and `import recast` load neither the diffusers world, a family
+    part, nor diffusers, transformers or peft; `recast.py --help` answers before torch is
+    imported."""
+    code = ("import sys, recast, worlds.toyworld\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', "
+            "'peft') or m in ('worlds.diffusersworld', 'worlds.families')]\n"
+            "assert not bad, bad\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], cwd=HERE, check=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +369,7 @@ def test_ideal_rendering_scores_near_the_top_of_setting2():
 )
 def test_base_model_training_bad_input_exits_2_and_writes_nothing(tmp_path, flag, value):
     out = tmp_path / "model"
-    script = os.path.join(HERE, "toyworld.py")
+    script = os.path.join(HERE, "worlds", "toyworld.py")
     argv = [sys.executable, script, "train", flag, value, "--out", str(out)]
     done = subprocess.run(
         argv,
@@ -359,11 +424,10 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
 
 
 def test_base_model_position_is_decided_before_sharpness_and_background(toy_world):
-    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
-    from base_model import base_profiles
+    from studies.base_model import base_profiles
 
     names, D, gains, profiles, _ = base_profiles(toy_world, tw.TRAIN_PROMPTS[::3], 8, seed=0)
-    c = dict(zip(names, centroid(profiles).tolist(), strict=True))
+    c = dict(zip(names, timestep_centroid(profiles).tolist(), strict=True))
     assert c["position"] < c["sharpness"] and c["position"] < c["background"], c
     assert max(c.values()) - min(c.values()) >= 1.5, c  # spread over the trajectory (T = 10)
     assert torch.allclose(gains.sum(1), D[:, -1], atol=1e-5)  # the gains telescope to D_T
@@ -474,7 +538,7 @@ def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path):
     run_recast(*flags, "--weighting", "sum", "--out", str(tmp_path / "sum"))
     run_recast(*flags, "--weighting", "uniform", "--normalize", "joint", "--out",
                str(tmp_path / "joint"))  # fmt: skip
-    from checkpoint import read_metrics
+    from plumbing.checkpoints import read_metrics
 
     a, b = (read_metrics(str(tmp_path / n))[1] for n in ("sum", "joint"))
     assert {k: v for k, v in a.items() if k.startswith("reward/")} == {
@@ -552,7 +616,7 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     assert set(summary["base"]) == set(summary["final"]) == {*names, "shape", "iou"}
     assert json.loads((out / "args.json").read_text())["lam"] == "0.4,0.2,0.2,0.2"
     # the final eval's images, in the eval set's order: rescoring them gives the logged eval
-    import eval_images
+    from plumbing import eval_images
 
     index, images = eval_images.load(str(out))
     assert index["epoch"] == 2 and index["prompts"] == P and len(images) == len(P)  # 1 seed
@@ -774,8 +838,8 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
 
 
 def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
-    import cli
     import recast
+    from plumbing import cli
 
     monkeypatch.chdir(tmp_path)
     assert recast.Args().gain_shift == 1  # the alignment comparison's verdict (docs/results.md)
@@ -798,13 +862,13 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
 
 def run_patched(tmp_path, patch: str, *flags, timeout=1800):
     """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run, its
-    faults handled as `python recast.py` handles them (checkpoint.run_main). The
+    faults handled as `python recast.py` handles them (rundir.run_main). The
     timeout only catches a hang: a tiny run takes about a minute alone, many on a loaded machine."""
     script = tmp_path / "run_patched.py"
     script.write_text(
         f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\nimport rewards\nimport recast\n"
-        f"import checkpoint\n{patch}\n"  # then as `python recast.py` runs main
-        f"checkpoint.run_main(lambda: recast.main({list(flags)!r}), "
+        f"from plumbing import rundir\n{patch}\n"  # then as `python recast.py` runs main
+        f"rundir.run_main(lambda: recast.main({list(flags)!r}), "
         "(rewards.RewardError, FloatingPointError))\n"
     )
     return subprocess.run(
@@ -839,7 +903,7 @@ def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    import checkpoint
+    from plumbing import checkpoints
 
     patch = (
         "calls = [0]\ngood = recast.nft_loss\n"
@@ -850,7 +914,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
     assert done.returncode == 1 and "loss is nan" in done.stderr
     assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["epoch_0001"]
-    tensors, _, state = checkpoint.load_latest(str(tmp_path / "run"))
+    tensors, _, state = checkpoints.load_latest(str(tmp_path / "run"))
     assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in tensors.values())
     assert [m["epoch"] for m in metrics_of(tmp_path / "run")] == [0, 1]
 
@@ -1044,7 +1108,7 @@ def test_missing_aesthetic_head_and_hpsv2_package_say_what_to_do(with_rewards, m
 @pytest.fixture(scope="module")
 def world(sd3_dir, prompts_file):
     import recast
-    import sd3world
+    from worlds import sd3world
 
     args = recast.Args(
         model=sd3_dir, prompts_file=prompts_file, resolution=32, lora_rank=4, lora_alpha=8
@@ -1171,7 +1235,7 @@ def test_offline_hub_ids_fail_at_once_naming_the_cause(
     """No network and nothing cached: --model and reward models given as hub ids exit 2 saying so,
     before any download is tried; a missing local folder is named as missing; a cached hub id
     loads from its cached folder."""
-    import hub
+    from worlds import hub
 
     probe = hub._probe
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -1249,7 +1313,7 @@ def test_sd3_forwards_see_one_chunk_whatever_the_prompts(
     from transformers.models.clip import modeling_clip
 
     import recast
-    import sd3world
+    from worlds import sd3world
 
     chunks = {"transformer": 4, "vae": 3, "text": 3, "vision": 3}
     monkeypatch.setattr(sd3world, "DECODE_CHUNK", chunks["vae"])
@@ -1293,9 +1357,9 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     """SD3's step-scoring defaults (the scoring study, docs/results.md): 4 prompt groups an epoch
     (at least one per rank) under bf16, unless a flag is given; the toy world, uniform weighting
     and a resumed run (its args.json) are left alone; --profile still scores every group."""
-    import cli
     import recast
-    import sd3world
+    from plumbing import cli
+    from worlds import sd3world
 
     def resolved(argv, **kw):
         a = recast.Args(**{"model": "org/sd35", **kw})
@@ -1342,7 +1406,7 @@ def random_toy_model(tmp_path_factory):
     """A toy-world transformer with random weights: the loop's arithmetic, not its results."""
     from diffusers import SD3Transformer2DModel
 
-    import toyworld
+    from worlds import toyworld
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("toy") / "model"
@@ -1388,12 +1452,12 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
 def _desync_worker(rank: int, init_file: str, differ: bool, results):
     import torch.distributed as dist
 
-    import checkpoint
+    from plumbing import distributed
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     held = {"W": torch.full((2, 3), 0.5), "w": torch.arange(4.0) + (rank if differ else 0)}
     try:
-        results.put((rank, checkpoint.same_on_all_ranks(held, "in this test")))
+        results.put((rank, distributed.same_on_all_ranks(held, "in this test")))
     except RuntimeError as e:
         results.put((rank, str(e)))
     dist.destroy_process_group()

@@ -139,7 +139,7 @@ def no_sync_check() -> None:
 def compare_toy_runs(cpu_dir: Path, cuda_dir: Path) -> tuple[bool, str]:
     """Step 5's comparison of the two runs' metrics.jsonl, as a markdown table."""
     sys.path.insert(0, str(ROOT))
-    from checkpoint import read_metrics  # skips a torn last line, with a warning
+    from plumbing.checkpoints import read_metrics  # skips a torn last line, with a warning
 
     runs = []
     for folder in (cpu_dir, cuda_dir):

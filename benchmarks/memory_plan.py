@@ -65,14 +65,12 @@ sys.path.insert(0, str(ROOT))  # run from anywhere
 import torch  # noqa: E402 (after the path)
 from tqdm import tqdm  # noqa: E402
 
-import cli  # noqa: E402
-import diffusersworld  # noqa: E402
-import families  # noqa: E402
-import modelzoo  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
-from benchmarks import memtrace  # noqa: E402
+from benchmarks import memtrace, modelzoo  # noqa: E402
 from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
+from plumbing import cli  # noqa: E402
+from worlds import diffusersworld, families  # noqa: E402
 
 PHASES = ("rollout", "score", "recast", "update", "eval")
 # docs/sd35.md's one-GPU command: the training flags when none is given

@@ -79,8 +79,7 @@ from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
-import cli  # noqa: E402 (after the path)
-from modelzoo import (  # noqa: E402
+from benchmarks.modelzoo import (  # noqa: E402
     SHRINK_DEPTH,
     SHRINKS,
     OpenClipLike,
@@ -96,6 +95,7 @@ from modelzoo import (  # noqa: E402
     t5_config,
     t5_tokenizer,
 )
+from plumbing import cli  # noqa: E402 (after the path)
 
 LAMBDA = "0.4,0.2,0.2,0.2"
 # docs/sd35.md's one-GPU command (its --epochs 100 becomes 2; --eval-every 10 keeps eval to the
@@ -382,7 +382,7 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
     vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
     text = cf["text"] if "text" in cf else cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
-    import cli
+    from plumbing import cli
 
     scored_groups = cli.scored_groups(r["gain_frac"], P, 1)
     if amortised:
@@ -614,7 +614,9 @@ def run_loop(name: str, argv: list[str], device) -> dict:
     out = Path(argv[argv.index("--out") + 1])
     metrics, used = [], {}
     if (out / "metrics.jsonl").is_file():
-        from checkpoint import read_metrics  # a torn last line (a crash mid-append) skipped
+        from plumbing.checkpoints import (
+            read_metrics,  # a torn last line (a crash mid-append) skipped
+        )
 
         metrics = read_metrics(str(out))
     if (out / "args.json").is_file():
@@ -766,7 +768,7 @@ def recast_defaults() -> dict:
     """recast.py's defaults of the flags the docs' command leaves out (DEFAULTED), SD3's scoring
     defaults for the command's DOCS_PROMPTS included (sd3world.scoring_defaults)."""
     import recast
-    import sd3world
+    from worlds import sd3world
 
     defaults = {k: getattr(recast.Args(), k) for k in DEFAULTED}
     return {**defaults, **sd3world.scoring_defaults(DOCS_PROMPTS)}
@@ -1124,7 +1126,7 @@ def anchor_section(rep: dict) -> list[str]:
 def print_cost_model() -> None:
     """--cost-model: the cost model of the full-size configurations for docs/sd35.md's one-GPU
     command, its 32 prompts and SD3's scoring defaults (no device, nothing built)."""
-    import cli
+    from plumbing import cli
 
     c = load_configs()
     r512 = {**recast_defaults(), **FULL_RUN, "prompts": DOCS_PROMPTS, "grad_checkpointing": False,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import modelzoo
 from benchmarks import memory_plan as mp
+from benchmarks import modelzoo
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--rewards", "pickscore,clipscore,aesthetic", "--lambda", "0.5,0.3,0.2",

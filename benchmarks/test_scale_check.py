@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import modelzoo
+from benchmarks import modelzoo
 from benchmarks import scale_check as sc
 
 ROOT = Path(__file__).resolve().parents[1]

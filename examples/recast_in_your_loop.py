@@ -21,14 +21,16 @@ if __name__ == "__main__" and DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rewards  # noqa: E402
-import toyworld  # noqa: E402
 from kernels.nft_loss import nft_loss  # noqa: E402
 from kernels.renyi import group_optimality, recast_weights, renyi_gains  # noqa: E402
+from worlds import toyworld  # noqa: E402
 
 
 def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    world = toyworld.ToyWorld(DEVICE)  # toy_model/: policy θ, old θ_old (samples), frozen ref
+    world = toyworld.ToyWorld(
+        DEVICE
+    )  # worlds/toy_model/: policy θ, old θ_old (samples), frozen ref
     reward_fns = {n: rewards.get(n, DEVICE) for n in world.reward_names}  # K = 4 rewards
     lam = torch.tensor(lam, dtype=torch.float64)  # (K,) budgets
     params = list(world.trainable.parameters())

@@ -1,0 +1,148 @@
+"""torchrun's processes: the process group, the collectives the loop uses (gather, mean_all, the
+bit-identity check of every rank's weights), and a lost rank or node ending the run in seconds
+with the --resume command (docs/failure_modes.md#a-lost-rank-or-node). On one process every
+collective is the identity."""
+
+import datetime
+import hashlib
+import math
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from plumbing import cli
+from plumbing.checkpoints import newest, resume_command
+from plumbing.seeding import seed_all
+
+COLLECTIVE_TIMEOUT = 300  # seconds a rank waits inside one collective: see collective_timeout
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a rank waits inside one collective for the others before it gives up: seconds in
+    RECAST_COLLECTIVE_TIMEOUT, default 300. A rank that dies is noticed at once whatever this is
+    (its connections close, and torchrun stops its node's other workers); this bounds a silent
+    hang (a node without power or network, a stuck GPU). It must exceed the longest legitimate
+    wait: the first collective waits for the slowest rank to load the models, and ranks wait for
+    rank 0 to write checkpoints and pictures (docs/failure_modes.md#a-lost-rank-or-node)."""
+    text = os.environ.get("RECAST_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        cli.fail("RECAST_COLLECTIVE_TIMEOUT", f"must be a number of seconds > 0, got {text!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
+    """(rank, device), the process group started under torchrun; seeds set per rank."""
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    if distributed:
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=collective_timeout())
+    rank = dist.get_rank() if distributed else 0
+    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    seed_all(args.seed + rank)
+    return rank, device
+
+
+def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate a tensor across ranks along `dim` (rank order); every rank gets the result."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim)
+
+
+def mean_all(x: torch.Tensor) -> float:
+    """Mean of x's elements over every rank; ranks may hold different numbers (eval shares)."""
+    total = torch.stack([x.double().sum(), x.new_tensor(x.numel(), dtype=torch.float64)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def same_on_all_ranks(tensors: dict[str, torch.Tensor], when: str) -> str:
+    """SHA-256 of the tensors' bytes, key by key; a RuntimeError unless every rank's is the same.
+    DDP averages gradients whatever each rank holds, so a rank that drifted (its own W, weights
+    initialised from its own seed) would train on silently: this is what catches it."""
+    digest = hashlib.sha256()
+    for k in sorted(tensors):
+        digest.update(k.encode())
+        digest.update(tensors[k].detach().cpu().contiguous().flatten().view(torch.uint8).numpy())
+    mine, digests = digest.hexdigest(), [None] * dist.get_world_size()
+    dist.all_gather_object(digests, mine)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise RuntimeError(f"ranks {differ} hold another W or other weights than rank 0 {when}")
+    return mine
+
+
+# What a collective raises when another rank is gone: gloo's RuntimeError (its connection closed,
+# or it timed out) names gloo; nccl's, torch's DistBackendError, is a DistError.
+LOST = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")
+
+
+def exit_if_rank_lost(e: BaseException, run_dir: str | None) -> None:
+    """Under torchrun, when `e` is a collective that failed because another rank died or stopped
+    answering: print which ranks do not answer and the --resume command of `run_dir` (None: the
+    run has saved nothing yet), and end this process at once with exit 1 (a broken process group
+    can hang in its destructor). Otherwise return."""
+    if not dist.is_initialized() or not (
+        isinstance(e, dist.DistError) or any(s in str(e) for s in LOST)
+    ):
+        return
+    me, silent = dist.get_rank(), _silent_ranks()
+    if silent == []:  # every rank answers: not a lost rank but an error they all met
+        return
+    who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else (
+        f"the rendezvous store does not answer either: the node hosting it "
+        f"({os.environ.get('MASTER_ADDR', '?')}) is lost")  # fmt: skip
+    error = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+    if "Timed out" in error:
+        error += (f"; if the ranks were only slow, raise RECAST_COLLECTIVE_TIMEOUT (now "
+                  f"{collective_timeout().total_seconds():g} s)")  # fmt: skip
+    then = "nothing was saved yet" if run_dir is None else (
+        f"the newest checkpoint ({newest(run_dir)}) is kept; once every node is back, "
+        f"continue: {resume_command(run_dir)}")  # fmt: skip
+    sys.stdout.flush()
+    print(f"recast.py: stopped: rank {me} lost contact: {who} ({error}); {then}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(1)
+
+
+def _silent_ranks(wait_s: float = 5.0) -> list[int] | None:
+    """The other ranks that do not check in through the rendezvous store within wait_s (every
+    rank whose collective failed checks in here); None when the store itself does not answer."""
+    me, attempt = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = lambda r: f"recast/lost/{attempt}/{r}"  # noqa: E731
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(key(me), socket.gethostname())
+        silent = [r for r in range(dist.get_world_size()) if r != me]
+        deadline = time.monotonic() + wait_s
+        while silent and time.monotonic() < deadline:
+            time.sleep(0.2)
+            silent = [r for r in silent if not store.check([key(r)])]
+        return silent
+    except (AttributeError, RuntimeError, OSError):  # DistStoreError is a RuntimeError
+        return None
+
+
+@contextmanager
+def lost_rank_exits(run_dir: str):
+    """Within it, a collective that fails because another rank is lost ends this process with
+    exit 1 and a message naming `run_dir`'s newest checkpoint and its --resume command."""
+    try:
+        yield
+    except RuntimeError as e:
+        exit_if_rank_lost(e, run_dir)  # returns for any other error
+        raise

@@ -1,0 +1,99 @@
+"""What `recast.py --profile` reports, from one rollout's step scores: each reward's gain profile
+and its centroid, the W that ReCAST would use and how far it is from uniform weighting, all with
+their spread over bootstrap resamples of the prompt groups, and the lines it prints.
+
+A leaf beside the loop: it imports torch, kernels/renyi.py and plots.timestep_centroid, never
+recast.py.
+"""
+
+import torch
+
+from kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
+from plumbing.plots import timestep_centroid
+
+BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
+
+
+def l1_from_uniform(W: torch.Tensor, lam: torch.Tensor) -> float:
+    """Σ_k,i |W_k,i - λ_k/T| (λ normalised): 0 for uniform weighting, 2 at most."""
+    W, lam = W.double(), lam.double()
+    return float((W - (lam / lam.sum())[:, None] / W.shape[1]).abs().sum())
+
+
+def _profile_and_w(gains: torch.Tensor, lam: torch.Tensor, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """(profiles, W) of the gains with the flags `a` (floor, tau, gain_shift), float64."""
+    profiles = gain_profiles(gains, a.floor, a.gain_shift)
+    return profiles, recast_weights(gains, lam, a.tau, a.floor, a.gain_shift).double()
+
+
+def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a) -> dict[str, torch.Tensor]:
+    """Std over BOOTSTRAP resamples (with replacement) of the scored prompt groups of: the gain
+    profiles, their centroids, W's centroids and W's L1 distance from uniform."""
+    G = a.group_size
+    K, T1, n = step_scores.shape
+    groups = step_scores.double().cpu().view(K, T1, n // G, G)
+    gen = torch.Generator().manual_seed(a.seed)
+    draws = {"profiles": [], "centroids": [], "W_centroids": [], "l1_from_uniform": []}
+    for _ in range(BOOTSTRAP):
+        pick = torch.randint(n // G, (n // G,), generator=gen)
+        s = groups[:, :, pick].reshape(K, T1, n)
+        _, gains = reference_renyi_gains(s, G, a.alpha, a.adv_clip_max)
+        prof, W = _profile_and_w(gains, lam, a)
+        draws["profiles"].append(prof)
+        draws["centroids"].append(timestep_centroid(prof))
+        draws["W_centroids"].append(timestep_centroid(W))
+        draws["l1_from_uniform"].append(torch.tensor(l1_from_uniform(W, lam)))
+    return {k: torch.stack(v).std(0) for k, v in draws.items()}
+
+
+def report(step_scores, D, gains, lam, names: list[str], a, source: str) -> dict:
+    """profile.json's content (without its "seconds"): D (K, T+1) and gains (K, T) of the step
+    scores (K, T+1, n), the profiles, W and their bootstrap spread, for the flags `a` (recast.py's
+    Args: group_size, steps, alpha, adv_clip_max, tau, floor, gain_shift, seed)."""
+    T, G, n = a.steps, a.group_size, step_scores.shape[-1]
+    D, gains = D.double().cpu(), gains.double().cpu()
+    profiles, W = _profile_and_w(gains, lam, a)
+    spread = _spread(step_scores, lam, a)
+    return {
+        "source": source, "images_scored": n, "groups": n // G, "group_size": G, "steps": T,
+        "names": names, "lam": lam.tolist(), "tau": a.tau, "floor": a.floor,
+        "gain_shift": a.gain_shift, "D": D.tolist(), "gains": gains.tolist(),
+        "profiles": profiles.tolist(), "centroids": timestep_centroid(profiles).tolist(),
+        "W": W.tolist(),
+        "W_centroids": timestep_centroid(W).tolist(), "uniform_centroid": (T - 1) / 2,
+        "centroid_shift": (timestep_centroid(W) - (T - 1) / 2).tolist(),
+        "l1_from_uniform": l1_from_uniform(W, lam),
+        "bootstrap": {"resamples": BOOTSTRAP, **{k: v.tolist() for k, v in spread.items()}},
+    }  # fmt: skip
+
+
+def lines(p: dict) -> list[str]:
+    """What profile.json says, in plain words."""
+    T, sd = p["steps"], p["bootstrap"]
+    out = [
+        f"profile of {p['source']}: {p['groups']} prompts × {p['group_size']} images = "
+        f"{p['images_scored']} images, each step prediction and final image scored by "
+        f"{len(p['names'])} rewards ({p['seconds']:.0f} s: one rollout and its scoring; an epoch "
+        "also updates and evaluates)",
+        f"{'reward':<12} {'λ':>5}  {'informative':<11}  profile centroid  W centroid "
+        f"(uniform {p['uniform_centroid']:.1f})",
+    ]
+    for k, n in enumerate(p["names"]):
+        c = p["centroids"][k]
+        when = "early" if c < (T - 1) / 2 - 1 else "late" if c > (T - 1) / 2 + 1 else "mid-way"
+        out.append(
+            f"{n:<12} {p['lam'][k]:>5.2f}  {when:<11}  {c:5.2f} ± {sd['centroids'][k]:.2f}     "
+            f"{p['W_centroids'][k]:5.2f} ({p['centroid_shift'][k]:+.2f})"
+        )
+    out += [
+        f"W's L1 distance from uniform weighting λ/T: {p['l1_from_uniform']:.2f} ± "
+        f"{sd['l1_from_uniform']:.2f} (0: ReCAST would weight like uniform; 2: disjoint)",
+        f"± is the std over {sd['resamples']} bootstrap resamples of the {p['groups']} prompt "
+        "groups: a profile from few groups is noisy; raise --prompts for a firmer one.",
+        "In the toy world (docs/results.md): setting 1's rewards are decided over 4 steps, its W "
+        "lies 0.55 from uniform here, and ReCAST gained +0.036 over uniform (where its alignment "
+        "was chosen); setting 2's are all decided late, within 1.1 steps, its W lies 0.34 away, "
+        "and ReCAST tied uniform in 5 of 5 budgets. Two settings are weak evidence: the distance "
+        "says where ReCAST differs, not that it will win.",
+    ]
+    return out

@@ -1,0 +1,549 @@
+"""The faults of a real cluster, each injected: two runs in one folder, SIGTERM from a scheduler, a
+full disk, a torn metrics.jsonl, a rank or a whole node lost under torchrun (docs/failure_modes.md).
+
+    python -m pytest -q plumbing/test_faults.py          # fault injection, one-process runs
+    python -m pytest -q -m slow plumbing/test_faults.py  # + torchrun: 2 CPU processes, 2 nodes
+
+The bar is the SIGKILL test's in test_recast.py: the fault is injected, the run stops (or goes on)
+with a clear message, and after --resume the final metrics.jsonl matches the uninterrupted run's
+(every field but time/*; under torchrun within the tolerances of docs/sd35.md).
+"""
+
+import contextlib
+import dataclasses
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from plumbing import checkpoints, rundir
+from test_recast import HERE, TINY, metrics_of, run_recast
+
+RECAST = os.path.join(HERE, "recast.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# 3 epochs of the tiny toy run, evaluated every epoch: a run stopped early evaluates its last epoch,
+# so the uninterrupted run must too for the two metrics.jsonl to be compared line by line
+FLAGS = ["--lambda", "0.4,0.2,0.2,0.2", *TINY[2:], "--epochs", "3", "--eval-every", "1"]
+
+
+def without_times(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in lines]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> list[dict]:
+    """metrics.jsonl of the uninterrupted one-process run every fault is compared with."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    run_recast(*FLAGS, "--out", str(out), env=ENV)
+    return metrics_of(out)
+
+
+def run_patched(tmp_path, patch: str, *flags) -> subprocess.CompletedProcess:
+    """`python recast.py flags` (its __main__ block included) after `patch` has run in the same
+    process: how a fault is injected into a whole run."""
+    script = tmp_path / "patched.py"
+    script.write_text(
+        f"import runpy, sys\nsys.path.insert(0, {HERE!r})\n{patch}\n"
+        f"sys.argv = ['recast.py', *{list(flags)!r}]\n"
+        f"runpy.run_path({RECAST!r}, run_name='__main__')\n"
+    )
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=HERE, env=ENV, timeout=900)  # fmt: skip
+
+
+def start(*command, env=None) -> subprocess.Popen:
+    """`python command` in the background, its output kept."""
+    return subprocess.Popen([sys.executable, *command], cwd=HERE, env=env or ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def wait_for_epochs(out, n: int, proc: subprocess.Popen, poll: float = 0.1) -> None:
+    """Until metrics.jsonl holds n lines (epoch 0 is the base model's), while `proc` runs."""
+    while not (out / "metrics.jsonl").exists() or len(metrics_of(out)) < n:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(poll)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per folder: OUT/.lock
+# ---------------------------------------------------------------------------------------------
+HOLD = (
+    "import sys\nsys.path.insert(0, {here!r})\nfrom plumbing import rundir\n"
+    "rundir.lock_run({out!r})\n"
+)
+
+
+def hold_lock(out) -> subprocess.Popen:
+    """Another process holding the run folder's lock, as a live run does, until it is killed."""
+    code = HOLD.format(here=HERE, out=str(out)) + "print('held', flush=True)\nsys.stdin.read()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_run_on_a_live_folder_exits_2_and_a_stale_lock_does_not_block(
+    tmp_path, monkeypatch, capsys
+):
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = recast.Args(lam="0.4,0.2,0.2,0.2", out="run")
+    (out / "args.json").write_text(json.dumps(dataclasses.asdict(saved)))
+    live = hold_lock(out)
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in out.iterdir()}
+    tic = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        recast.main(["--out", "run", "--resume"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and time.monotonic() - tic < 5  # at once: before any model loads
+    assert f"pid {live.pid} on host {socket.gethostname()}" in err
+    assert "run/.lock" in err and err.startswith("recast.py: error: --out: run is in use by")
+    assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    live.kill()  # SIGKILL: no clean-up ran, the lock file stays, its flock went with the process
+    live.wait()
+    assert (out / ".lock").read_text().startswith(f"pid {live.pid} ")
+    rundir.lock_run("run")  # as --resume does: the stale lock does not block it
+    try:
+        assert (out / ".lock").read_text() == f"pid {os.getpid()} on host {socket.gethostname()}\n"
+    finally:
+        os.close(rundir._locks.pop(str(out.resolve())))
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM: as the first SIGINT, on every rank
+# ---------------------------------------------------------------------------------------------
+def test_stop_signals_sigterm_asks_once_and_a_second_sigint_aborts(capsys):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = rundir.Stop()
+        assert not stop.agreed() and stop.signum == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler signals the launcher and each worker
+        assert stop.received == [signal.SIGTERM, signal.SIGTERM]
+        assert stop.agreed() and stop.signum == signal.SIGTERM  # exit 128 + 15 = 143
+        assert capsys.readouterr().out.count("SIGTERM: finishing this epoch, then saving") == 1
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C after it: abort at once, as today
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+# the whole run and a --resume cost a minute or two more on the 2-core machine: slow
+THEN_RESUME = [False, pytest.param(True, marks=pytest.mark.slow, id="then-resume")]
+
+
+@pytest.mark.parametrize("resume", THEN_RESUME)
+def test_sigterm_finishes_the_epoch_exits_143_and_resumes_exactly(tmp_path, request, resume):
+    out = tmp_path / "run"
+    proc = start(RECAST, *FLAGS, "--out", str(out))
+    wait_for_epochs(out, 2, proc)  # epoch 1 done: the signal lands in epoch 2
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=900)  # a hang guard: one epoch, on a loaded machine
+    assert proc.returncode == 143, stderr
+    assert "Traceback" not in stderr and "SIGTERM: finishing this epoch" in stdout
+    done = metrics_of(out)[-1]["epoch"]
+    assert done < 3 and f"stopped after epoch {done}; continue: python recast.py" in stdout
+    assert sorted(os.listdir(out / "ckpt"))[-1] == f"epoch_{done:04d}"
+    if resume:
+        run_recast("--out", str(out), "--resume", env=ENV)
+        assert without_times(metrics_of(out)) == without_times(request.getfixturevalue("whole"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk: the writer fails with ENOSPC part-way through a file
+# ---------------------------------------------------------------------------------------------
+def full_disk(monkeypatch, name: str, at_byte: int) -> None:
+    """From now on checkpoint's writer, at a file whose path ends with `name`, writes its first
+    `at_byte` bytes and fails with ENOSPC, as a write onto a full disk does."""
+    write = checkpoints._write_synced
+
+    def full(path, data, append=False):
+        if path.endswith(name):
+            write(path, data[:at_byte], append)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, data, append)
+
+    monkeypatch.setattr(checkpoints, "_write_synced", full)
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    return {"policy.w": torch.randn(64, 64, generator=torch.Generator().manual_seed(seed))}
+
+
+@pytest.mark.parametrize(
+    "name,at_byte",
+    [("model.safetensors", 5000), ("optim.pt", 0), ("optim.pt", 3000), ("state.json", 100)],
+)
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, name, at_byte
+):
+    run = str(tmp_path)
+    optim = {"state": {0: {"exp_avg": torch.ones(64, 64)}}, "param_groups": []}
+    checkpoints.save(run, 1, _tensors(1), optim, {"opt_steps": 5, "gains_ema": None})
+    with monkeypatch.context() as m:
+        full_disk(m, os.path.join("epoch_0002.tmp", name), at_byte)
+        with pytest.raises(checkpoints.WriteFailed) as e:
+            checkpoints.save(run, 2, _tensors(2), optim, {"opt_steps": 10, "gains_ema": None})
+    message = str(e.value)
+    assert "\n" not in message and f"checkpoint {run}/ckpt/epoch_0002 in {run}" in message
+    assert "the disk holding it is full ([Errno 28] No space left on device" in message
+    assert f"({run}/ckpt/epoch_0001) is kept" in message
+    assert f"continue: python recast.py --out {run} --resume" in message
+    assert os.listdir(tmp_path / "ckpt") == ["epoch_0001"]  # the half-written one is gone
+    tensors, _, state = checkpoints.load_latest(run)
+    assert state["epoch"] == 1 and torch.equal(tensors["policy.w"], _tensors(1)["policy.w"])
+    checkpoints.save(
+        run, 2, _tensors(2), optim, {"opt_steps": 10, "gains_ema": None}
+    )  # space freed
+    assert checkpoints.load_latest(run)[2]["epoch"] == 2
+
+
+def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp_path):
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    checkpoints.save(run, 1, _tensors(1), optim, {"opt_steps": 5, "gains_ema": None})
+    half = tmp_path / "ckpt" / "epoch_0002.tmp"  # what SIGKILL (or a failed clean-up) leaves
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"\0" * 100)
+    assert checkpoints.load_latest(run)[2]["epoch"] == 1
+    checkpoints.save(run, 3, _tensors(3), optim, {"opt_steps": 15, "gains_ema": None})
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0001", "epoch_0003"]
+
+
+def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monkeypatch):
+    run = str(tmp_path)
+    checkpoints.append_metrics(run, {"epoch": 0, "eval/color": 0.5})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    full_disk(monkeypatch, "metrics.jsonl", 7)
+    with pytest.raises(checkpoints.WriteFailed) as e:
+        checkpoints.append_metrics(run, {"epoch": 1, "loss": 1.0})
+    assert f"could not write epoch 1 to metrics.jsonl in {run}: the disk" in str(e.value)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before  # the part written is cut off
+
+
+@pytest.mark.parametrize("resume", THEN_RESUME)
+def test_a_full_disk_stops_the_run_with_exit_1_and_resume_is_exact(tmp_path, request, resume):
+    """ENOSPC 4 kB into optim.pt of epoch 2's checkpoint: a one-line message, exit 1; then, the
+    disk freed, --resume redoes epoch 2 from epoch 1's checkpoint and matches the whole run."""
+    patch = (
+        "import errno, os\nfrom plumbing import checkpoints\nwrite = checkpoints._write_synced\n"
+        "def full(path, data, append=False):\n"
+        "    if path.endswith(os.path.join('epoch_0002.tmp', 'optim.pt')):\n"
+        "        write(path, data[:4096], append)\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)\n"
+        "    write(path, data, append)\n"
+        "checkpoints._write_synced = full"
+    )
+    out = tmp_path / "run"
+    done = run_patched(tmp_path, patch, *FLAGS, "--out", str(out))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"recast.py: stopped: could not write checkpoint {out}/ckpt/")
+    assert "the disk holding it is full ([Errno 28] No space left on device" in message
+    assert f"continue: python recast.py --out {out} --resume" in message
+    assert os.listdir(out / "ckpt") == ["epoch_0001"]
+    if resume:
+        run_recast("--out", str(out), "--resume", env=ENV)
+        assert without_times(metrics_of(out)) == without_times(request.getfixturevalue("whole"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A torn metrics.jsonl: the last line cut by a crash while appending
+# ---------------------------------------------------------------------------------------------
+def write_lines(path, epochs, tail: str = "") -> None:
+    path.write_text("".join(json.dumps({"epoch": e, "loss": 1.0}) + "\n" for e in epochs) + tail)
+
+
+TORN = '{"epoch": 3, "loss": 0.9, "W": [[0.1, 0.'  # no newline
+GARBAGE = "\0\0\0\0\n"  # a power loss after the file grew, before its data landed
+
+
+@pytest.mark.parametrize("tail", [TORN, GARBAGE])
+def test_readers_skip_a_torn_last_line_with_a_warning(tmp_path, capsys, tail):
+    write_lines(tmp_path / "metrics.jsonl", range(3), tail)
+    assert [m["epoch"] for m in checkpoints.read_metrics(str(tmp_path))] == [0, 1, 2]
+    assert "metrics.jsonl: its torn last line" in capsys.readouterr().err
+    write_lines(tmp_path / "metrics.jsonl", range(3), '{"epoch": 3, "loss": 0.9}')  # whole
+    assert [m["epoch"] for m in checkpoints.read_metrics(str(tmp_path))] == [0, 1, 2, 3]
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n{"epo\n{"epoch": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
+        checkpoints.read_metrics(str(tmp_path))  # not a crash's tear: a damaged file
+
+
+def test_benchmark_readers_skip_a_torn_last_line(tmp_path, capsys):
+    """summarize.py and gpu_check.py's comparison read runs whose log a crash tore (comparison.py
+    and recipe.py read through checkpoints.read_metrics too)."""
+    from benchmarks import gpu_check
+    from studies import summarize
+    from studies.test_summarize import fake_run
+
+    runs = [fake_run(tmp_path / s, seed, {"position": 0.5, "background": 0.1, "iou": 0.2})
+            for s, seed in (("s0", 0), ("s1", 1))]  # fmt: skip
+    for run in runs:
+        with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+            f.write(TORN)
+    summarize.main(runs)
+    out, err = capsys.readouterr()
+    assert "| position | +0.000 | +0.500 ± 0.000 |" in out
+    assert err.count("its torn last line") == 2
+    lines = [{"epoch": e, "reward/color": 0.1 * e, "W": [[0.25, 0.25], [0.25, 0.25]],
+              "loss": 1.0} for e in range(3)]  # fmt: skip
+    for run in ("cpu", "cuda"):
+        (tmp_path / run).mkdir()
+        text = "".join(json.dumps(m) + "\n" for m in lines)
+        (tmp_path / run / "metrics.jsonl").write_text(text + GARBAGE)
+    ok, table = gpu_check.compare_toy_runs(tmp_path / "cpu", tmp_path / "cuda")
+    assert ok and "| 2 | reward/color | 0.2 | 0.2 | 0 |" in table
+    assert capsys.readouterr().err.count("its torn last line") == 2
+
+
+@pytest.mark.parametrize(
+    "epochs,tail,ckpt,kept,note",
+    [
+        (range(3), TORN, 2, 3, "dropped its torn last line"),  # torn while appending epoch 3
+        (range(3), GARBAGE, 2, 3, "dropped its torn last line"),
+        (range(5), TORN, 2, 3, "dropped its torn last line"),  # lines after the checkpoint go
+        (range(3), '{"epoch": 3, "loss": 0.9}', 2, 3, "dropped its last line (epoch 3"),
+        (range(3), '{"epoch": 2, "loss": 0.9}', 1, 2, "dropped its last line (epoch 2"),
+        ([], TORN, None, 0, "with no checkpoint yet"),  # killed while writing the base eval
+        (range(1), TORN, None, 1, "with no checkpoint yet"),
+        (range(2), TORN, 2, None, "stop at epoch 1, while the checkpoint holds epoch 2"),
+        ([0, 2], "", 2, None, "holds epochs [0, 2] up to the checkpoint's epoch 2"),
+        ([0, 1, 1, 2], "", 2, None, "holds epochs [0, 1, 1, 2]"),
+    ],
+)
+def test_resume_drops_a_torn_line_after_the_checkpoint_and_refuses_one_it_needs(
+    tmp_path, capsys, epochs, tail, ckpt, kept, note
+):
+    write_lines(tmp_path / "metrics.jsonl", epochs, tail)
+    if kept is None:  # the checkpoint's own epochs are not all there: exit 2 naming the file
+        with pytest.raises(SystemExit) as e:
+            checkpoints.resume_metrics(str(tmp_path), ckpt)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--resume: {tmp_path}/metrics.jsonl" in err
+        assert note in err
+        return
+    history = checkpoints.resume_metrics(str(tmp_path), ckpt)
+    assert [m["epoch"] for m in history] == list(range(kept))  # each epoch once
+    printed = capsys.readouterr().out
+    assert (note in printed) if note else printed == ""
+
+
+@pytest.mark.slow
+def test_a_crash_mid_append_tears_the_log_and_resume_drops_it(tmp_path, whole):
+    """The process dies (SIGKILL) half-way through appending epoch 2's line: --resume says it
+    drops the torn line, and the final metrics.jsonl has each epoch once, as the whole run's."""
+    patch = (
+        "import os, signal\nfrom plumbing import checkpoints\nwrite = checkpoints._write_synced\n"
+        "def crash(path, data, append=False):\n"
+        "    if append and data.startswith(b'{\"epoch\": 2,'):\n"
+        "        write(path, data[:len(data) // 2], append)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    write(path, data, append)\n"
+        "checkpoints._write_synced = crash"
+    )
+    out = tmp_path / "run"
+    assert run_patched(tmp_path, patch, *FLAGS, "--out", str(out)).returncode == -signal.SIGKILL
+    assert not (out / "metrics.jsonl").read_text().endswith("\n")
+    done = run_recast("--out", str(out), "--resume", env=ENV)
+    assert "metrics.jsonl: dropped its torn last line" in done.stdout
+    assert "resuming" in done.stdout and "after epoch 1" in done.stdout
+    assert without_times(metrics_of(out)) == without_times(whole)
+
+
+@pytest.mark.slow
+def test_a_live_run_refuses_a_second_one_and_after_sigkill_resume_is_exact(tmp_path, whole):
+    """The run in --out holds its lock: a second recast.py exits 2 before loading anything; once
+    the first is killed (SIGKILL: no clean-up), the lock it leaves does not block --resume."""
+    out = tmp_path / "run"
+    first = start(RECAST, *FLAGS, "--out", str(out))
+    wait_for_epochs(out, 2, first)
+    second = run_recast("--out", str(out), "--resume", check=False, env=ENV)
+    assert second.returncode == 2 and "resuming" not in second.stdout, second.stderr
+    assert f"{out} is in use by pid {first.pid} on host {socket.gethostname()}" in second.stderr
+    assert first.poll() is None  # untouched
+    first.kill()
+    first.communicate()
+    run_recast("--out", str(out), "--resume", env=ENV)
+    assert without_times(metrics_of(out)) == without_times(whole)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun on 2 CPU processes (gloo): SIGTERM, a dead rank, a rank that stops answering, a node
+# ---------------------------------------------------------------------------------------------
+TORCH_FLAGS = [*FLAGS, "--device", "cpu"]
+
+
+def torchrun(out, *flags, node: int | None = None, port: int = 0, launcher=()) -> list[str]:
+    """torchrun's command line: 2 ranks on this machine, or (node 0 or 1) one of two nodes of one
+    rank each, meeting through a c10d rendezvous on localhost:port."""
+    if node is None:
+        launch = ["--standalone", "--nproc-per-node=2"]
+    else:
+        launch = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-id=faults",
+                  "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]  # fmt: skip
+    return ["-m", "torch.distributed.run", *launch, *launcher, RECAST, *flags, "--out", str(out)]
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the worker processes a torchrun launcher started."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        rank = [e[5:] for e in env if e.startswith(b"RANK=")]
+        if ppid == launcher and rank:
+            found[int(rank[0])] = int(pid)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def assert_matches(got: list[dict], expected: list[dict]) -> None:
+    """Within the torchrun tolerances of docs/sd35.md: W within 1e-5, rewards, evals and the
+    loss within 1e-4 relative; the same epochs, each once."""
+    assert [m["epoch"] for m in got] == [m["epoch"] for m in expected]
+    for a, b in zip(got[1:], expected[1:], strict=True):
+        assert torch.allclose(torch.tensor(a["W"]), torch.tensor(b["W"]), atol=1e-5)
+        for k in [k for k in b if k.startswith(("reward/", "eval/"))] + ["loss"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.fixture(scope="module")
+def whole_2ranks(tmp_path_factory) -> list[dict]:
+    """metrics.jsonl of the uninterrupted 2-rank run."""
+    out = tmp_path_factory.mktemp("whole_2ranks") / "run"
+    subprocess.run([sys.executable, *torchrun(out, *TORCH_FLAGS)], cwd=HERE, env=ENV, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    return metrics_of(out)
+
+
+def resume_2ranks(out) -> None:
+    done = subprocess.run([sys.executable, *torchrun(out, "--resume")], cwd=HERE, env=ENV,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_torchrun_sigterm_stops_every_rank_after_the_same_epoch_and_resume_matches(
+    tmp_path, whole_2ranks, target
+):
+    """SIGTERM to the launcher (which forwards it to each worker), or to rank 1 alone: every rank
+    finishes the epoch and stops after the same one (they agree at each epoch's end), rank 0
+    checkpoints it and prints the --resume command; torchrun --resume then matches."""
+    out = tmp_path / "run"
+    proc = start(*torchrun(out, *TORCH_FLAGS))
+    wait_for_epochs(out, 2, proc)  # epoch 1 done
+    os.kill(proc.pid if target == "launcher" else workers(proc.pid)[1], signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    done = metrics_of(out)[-1]["epoch"]
+    assert proc.returncode != 0 and "lost contact" not in stderr, stderr[-3000:]
+    assert f"stopped after epoch {done}; continue: torchrun --standalone --nproc-per-node=2 " \
+           f"recast.py --out {out} --resume" in stdout  # fmt: skip
+    assert set(re.findall(r"exitcode\s*: (-?\d+)", stderr)) <= {"143"}, stderr[-3000:]
+    assert sorted(os.listdir(out / "ckpt"))[-1] == f"epoch_{done:04d}" and done < 3
+    resume_2ranks(out)
+    assert_matches(metrics_of(out), whole_2ranks)
+
+
+@pytest.mark.slow
+def test_torchrun_a_dead_rank_stops_the_survivor_within_60s_and_resume_matches(
+    tmp_path, whole_2ranks
+):
+    out = tmp_path / "run"
+    proc = start(*torchrun(out, *TORCH_FLAGS))
+    wait_for_epochs(out, 2, proc)
+    time.sleep(0.5)  # into epoch 2
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    tic = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - tic < 60
+    assert "recast.py: stopped: rank 0 lost contact: rank 1 stopped answering" in stderr
+    assert f"continue: torchrun --standalone --nproc-per-node=2 recast.py --out {out} --resume" \
+        in stderr  # fmt: skip
+    resume_2ranks(out)
+    assert_matches(metrics_of(out), whole_2ranks)
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_that_stops_answering_is_named_after_the_collective_timeout(tmp_path):
+    """SIGSTOP rank 1: its connections stay open, so only the collective timeout (here
+    RECAST_COLLECTIVE_TIMEOUT=10 s) ends rank 0's wait; rank 0 names it and exits."""
+    out = tmp_path / "run"
+    env = {**ENV, "RECAST_COLLECTIVE_TIMEOUT": "10"}
+    proc = start(*torchrun(out, *TORCH_FLAGS, launcher=["--shutdown-timeout=2"]), env=env)
+    wait_for_epochs(out, 2, proc)
+    hung = workers(proc.pid)[1]
+    os.kill(hung, signal.SIGSTOP)
+    tic = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # torchrun may have killed it already
+            os.kill(hung, signal.SIGKILL)
+    assert proc.returncode != 0 and time.monotonic() - tic < 60
+    assert "rank 0 lost contact: rank 1 stopped answering" in stderr
+    assert "Timed out" in stderr and "raise RECAST_COLLECTIVE_TIMEOUT (now 10 s)" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0], ids=["other-node", "store-host-node"])
+def test_torchrun_a_lost_node_stops_the_other_within_60s_and_resume_matches(
+    tmp_path, whole_2ranks, lost
+):
+    """Two launchers on this machine as two nodes (one rank each); SIGKILL one node's launcher and
+    its worker. The other node's rank names the lost rank (or, when the lost node hosted the
+    rendezvous store, says so), prints --resume and exits; two launchers then finish the run."""
+    out = tmp_path / "run"
+
+    def two_nodes(*flags) -> list[subprocess.Popen]:
+        port, nodes = free_port(), []
+        for node in (0, 1):  # node 0 first: it hosts the rendezvous store
+            nodes.append(start(*torchrun(out, *flags, node=node, port=port)))
+            while node == 0 and not listening(port):
+                assert nodes[0].poll() is None, nodes[0].communicate()
+                time.sleep(0.1)
+        return nodes
+
+    nodes = two_nodes(*TORCH_FLAGS)
+    wait_for_epochs(out, 2, nodes[0])
+    time.sleep(0.5)  # into epoch 2
+    (rank, worker), = workers(nodes[lost].pid).items()  # fmt: skip
+    nodes[lost].kill()  # the node's launcher and its worker, both SIGKILL
+    os.kill(worker, signal.SIGKILL)
+    nodes[lost].wait()
+    tic = time.monotonic()
+    _, stderr = nodes[1 - lost].communicate(timeout=120)
+    assert nodes[1 - lost].returncode != 0 and time.monotonic() - tic < 60
+    said = f"lost contact: rank {rank} stopped answering" if lost == 1 else (
+        "lost contact: the rendezvous store does not answer either")  # fmt: skip
+    assert said in stderr and f"recast.py --out {out} --resume" in stderr, stderr[-3000:]
+    resumed = two_nodes("--resume")
+    for node in resumed:
+        _, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-3000:]
+    assert_matches(metrics_of(out), whole_2ranks)

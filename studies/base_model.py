@@ -1,0 +1,172 @@
+"""The shipped toy base model's figures for docs/toy_world.md: held-out scores of the ideal
+rendering, the world's pictures, the base model and chance; a sample grid; the gain profiles of the
+four rewards (DESIGN §4) with their centroids, and each reward's spread within a group of 8 samples.
+
+    python studies/base_model.py             # → docs/base_samples.png, docs/base_profiles.png
+    python studies/base_model.py --rewards toy2   # setting 2 → docs/base_profiles_toy2.png
+
+With --rewards toy2 it also prints what setting 2's four were chosen on (docs/toy_world.md,
+"Setting 2"): the within-group correlations of every candidate and of setting 1's rewards,
+candidates that were measured and not chosen (`symmetry`, below) among them.
+"""
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import recast  # noqa: E402
+import rewards  # noqa: E402
+from kernels.renyi import gain_profiles, renyi_gains  # noqa: E402
+from plumbing import plots  # noqa: E402
+from worlds import toyworld as tw  # noqa: E402
+
+
+def symmetry(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """A setting-2 candidate not chosen: −(1 − IoU) of the soft mask with its mirror image about
+    the vertical through its centroid (every ideal shape is mirror-symmetric so). On the base
+    model it correlates with outline and elongation within groups (docs/toy_world.md)."""
+    a = rewards.soft_mask(rewards._rgb(images))
+    B, H, W = a.shape
+    mirrored_x = 2 * rewards.mask_centre(a)[:, :1] - (torch.arange(W) + 0.5)  # (B, W) pixels
+    gx = (mirrored_x / W * 2 - 1)[:, None, :].expand(B, H, W)
+    gy = ((torch.arange(H) + 0.5) / H * 2 - 1)[None, :, None].expand(B, H, W)
+    mirror = torch.nn.functional.grid_sample(a[:, None], torch.stack([gx, gy], -1),
+                                             align_corners=False)[:, 0]  # fmt: skip
+    inter, union = torch.minimum(a, mirror).sum((1, 2)), torch.maximum(a, mirror).sum((1, 2))
+    return -(1 - inter / (union + 1e-6))
+
+
+CANDIDATES = {"symmetry": symmetry}  # measured for setting 2 beside its four, not chosen
+
+
+def base_profiles(
+    world: tw.ToyWorld,
+    prompts: list[str],
+    group_size: int,
+    seed: int,
+    steps: int = 10,
+    alpha: float = 2.0,
+    floor: float = 0.1,
+    names: list[str] | None = None,
+):
+    """DESIGN §4 on base-model samples, G images per prompt: (names, D, gains, profiles, scores),
+    scores (K, T+1, N) as recast.trajectory_scores gives them (default: the world's rewards)."""
+    gen = torch.Generator().manual_seed(seed)
+    names = list(names or world.reward_names)
+    fns = {n: CANDIDATES.get(n) or rewards.get(n, world.device) for n in names}
+    per_image = [p for p in prompts for _ in range(group_size)]
+    noise = torch.randn(len(per_image), *world.latent_shape, generator=gen).to(world.device)
+    x0, preds = recast.sample(
+        lambda x, c, t: world.v("ref", x, c, t), noise, world.encode(per_image), world.sigmas(steps)
+    )
+    final = recast.score_all(fns, x0, per_image)
+    scores = recast.trajectory_scores(fns, world.decode, preds, final, per_image)
+    D, gains = renyi_gains(scores, group_size, alpha)
+    return names, D, gains, gain_profiles(gains, floor), scores
+
+
+def report(out_dir: str, setting2: bool = False) -> None:
+    """Figures of the shipped base model (docs/toy_world.md): eval table, samples, gain profiles;
+    of setting 2's rewards (with setting 1's as its judges) when `setting2`."""
+    os.makedirs(out_dir, exist_ok=True)
+    world = tw.ToyWorld(torch.device("cpu"))
+    names = list(rewards.PRESETS["toy2"] if setting2 else world.reward_names)
+    judges = [*world.judge_names, *world.reward_names] if setting2 else list(world.judge_names)
+    seeds = 4
+    prompts = [p for p in tw.HELDOUT_PROMPTS for _ in range(seeds)]
+    noise = torch.randn(
+        len(prompts), *world.latent_shape, generator=torch.Generator().manual_seed(recast.EVAL_SEED)
+    )
+    scorers = {n: rewards.get(n, world.device) for n in (*names, *judges)}
+    base, images = recast.evaluate(world, scorers, prompts, noise, world.sigmas(10), 64, "ref")
+    gen = torch.Generator().manual_seed(0)
+    world_images = tw.render(prompts, gen)  # what the base model learnt from: defects and all
+    chance_images = tw.render(
+        [tw.PROMPTS[i] for i in torch.randint(len(tw.PROMPTS), (len(prompts),), generator=gen)], gen
+    )
+    rows = {
+        "ideal rendering": tw.render(prompts),
+        "world picture (defects)": world_images,
+        "base model": images,
+        "chance (random prompt)": chance_images,
+    }
+    table = {
+        k: {n: rewards.score(n, fn, im, prompts).mean().item() for n, fn in scorers.items()}
+        for k, im in rows.items()
+    }
+    lines = ["| | " + " | ".join(scorers) + " |", "|---|" + "---|" * len(scorers)]
+    lines += [
+        f"| {k} | " + " | ".join(f"{v[n]:.3f}" for n in scorers) + " |" for k, v in table.items()
+    ]
+    print(
+        f"held-out set: {len(tw.HELDOUT_PROMPTS)} prompts × {seeds} seeds, fixed noise\n"
+        + "\n".join(lines)
+    )
+    shown = 12 * seeds  # the first 12 held-out prompts, all their seeds
+    panels = {
+        "base model": images[:shown],
+        "ideal": rows["ideal rendering"][:shown:seeds],
+    }
+    if not setting2:  # the same pictures in both settings
+        plots.save_samples_figure(
+            os.path.join(out_dir, "base_samples.png"), panels, tw.HELDOUT_PROMPTS[:12]
+        )
+    measured = [*names, *CANDIDATES, *world.reward_names] if setting2 else names
+    _, D, gains, prof, scores = base_profiles(world, tw.TRAIN_PROMPTS[::2], 8, 0, names=measured)
+    spread = scores[:, -1].view(len(measured), -1, 8).std(2).mean(1)  # (K,) within a group of 8
+    print("base model, mean within-group std of 8 samples:",
+          {n: round(v.item(), 3) for n, v in zip(measured, spread, strict=True)})  # fmt: skip
+    if setting2:  # what the four were chosen on: independence within groups
+        z = scores[:, -1].view(len(measured), -1, 8)
+        z = ((z - z.mean(2, keepdim=True)) / (z.std(2, keepdim=True) + 1e-8)).flatten(1)
+        corr = (z @ z.T) / (z.shape[1] - z.shape[1] // 8)
+        print("within-group correlation of the final scores (29 groups of 8):")
+        print(" " * 11 + "".join(f"{n[:9]:>10}" for n in measured))
+        for n, row in zip(measured, corr.tolist(), strict=True):
+            print(f"{n:11}" + "".join(f"{c:+10.2f}" for c in row))
+        keep = [measured.index(n) for n in names]
+        D, gains, prof = D[keep], gains[keep], prof[keep]
+    cents = plots.timestep_centroid(prof)
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for k, n in enumerate(names):
+        ax.plot(
+            range(len(gains[k])),
+            prof[k].numpy(),
+            marker="o",
+            ms=3,
+            label=f"{n} (centroid {cents[k]:.1f})",
+        )
+    ax.set_xlabel("training timestep i (0 = pure noise)")
+    ax.set_ylabel("gain profile p_k,i")
+    ax.set_title("base model: where each reward is informative", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"base_profiles{'_toy2' if setting2 else ''}.png"), dpi=110)
+    print(
+        "profile centroids (DESIGN §4 on the base model, 29 prompts × 8 images):",
+        {n: round(c.item(), 2) for n, c in zip(names, cents, strict=True)},
+    )
+    print("D_T:", {n: round(d.item(), 4) for n, d in zip(names, D[:, -1], strict=True)})
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default="docs", help="folder for the PNGs")
+    ap.add_argument(
+        "--rewards",
+        choices=["toy", "toy2"],
+        default="toy",
+        help="toy: setting 1's four; toy2: setting 2's (setting 1's as judges)",
+    )
+    a = ap.parse_args()
+    report(a.out, a.rewards == "toy2")

@@ -1,0 +1,797 @@
+"""When does timestep credit pay off? The pre-registered comparisons of docs/results.md (toy world).
+
+Three studies share one machinery and one archive (arms are recast.py's defaults otherwise, the
+same for every arm, except the alignment `--gain-shift`, which every ReCAST arm names: its default
+became 1 after the shift study; five budgets λ, one for the scoring study; seeds 0 … --seeds-1,
+seed s giving every arm the same prompts and noise in its first epoch; held-out eval every 2
+epochs for the curves):
+
+- `--study tau` (the first comparison): ReCAST at τ = 1, 0.5 and 0.25 (the dose: W concentrates as
+  τ falls), uniform (W = λ/T), reversed (ReCAST's W at τ = 0.25 with its timesteps in reverse
+  order: same marginals, credit in the wrong place) and sum (DiffusionNFT's single reward
+  Σ λ_k s_k).
+- `--study shift` (the alignment comparison): ReCAST at τ = 1 with `--gain-shift` 1 and 2 (W
+  column i credited with gain g_i-S), paired against uniform and against ReCAST as shipped
+  (shift 0); uniform's and recast-tau1's runs are the first study's, once `reproduce` has shown
+  that this commit reproduces them.
+- `--study scoring`: ReCAST (τ = 1, shift 1) scoring a fraction of the groups (`--gain-frac` 1, 0.5,
+  0.25, 0.125) or every other epoch (`--gain-every 2`); per epoch, W's L1 distance from full
+  scoring's W in the same seed, against the seed-to-seed noise floor (w_error.png).
+
+    python studies/comparison.py run [--study shift] [--stop-after 150]  # resumable; 2 at once
+    python studies/comparison.py report [--study shift]                  # tables and figures
+    python studies/comparison.py archive              # finished runs → docs/comparison/
+    python studies/comparison.py reproduce [--arms A,B]  # rerun archived runs, compare
+
+`run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
+early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
+interrupted one resumes. --stop-after MINUTES starts no new run after that many minutes (the running
+ones finish). `report` uses every (budget, seed) whose runs of the study's arms are all finished and
+writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired difference
+from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and seconds
+to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same rule
+applied per budget to every training reward and every held-out judge; for the shift study the
+pre-registered decision; for the settings studies the pairwise judge, the paper's three claims and
+the reruns' reproduction; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
+uniform per arm), weights.png (mean final W per arm and budget) and, for setting2, w_settings.png
+(ReCAST's W in both settings).
+
+`archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
+held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
+with the code: `report` uses a run's folder when it exists and its archived record otherwise, so
+the tables and figures can be rebuilt without the run folders (gigabytes of checkpoints), and
+`run` on another machine starts only the runs the archive lacks.
+
+`reproduce` reruns, with this checkout's recast.py, the archived runs named in REPRODUCE (one
+uniform, one recast-tau1) and prints the largest difference of any eval/gap value from the archive;
+it exits 1 when one exceeds REPRODUCE_TOL (the shift study's protocol: then both arms are rerun).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from plumbing import eval_images, reward_profile  # noqa: E402
+from plumbing.checkpoints import read_metrics  # noqa: E402
+from studies.judge import prefer_by_distance, preference_rate, toy_distances  # noqa: E402
+from studies.summarize import mean_std, spearman  # noqa: E402
+from worlds.toyworld import ToyWorld  # noqa: E402
+
+BUDGETS = ["0.4,0.2,0.2,0.2", "0.2,0.4,0.2,0.2", "0.2,0.2,0.4,0.2", "0.2,0.2,0.2,0.4",
+           "0.25,0.25,0.25,0.25"]  # fmt: skip
+SHIPPED = ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"]  # since the shift study
+ARMS = {  # name → recast.py flags; the dose order: uniform (τ → ∞), τ = 1, 0.5, 0.25, reversed
+    "uniform": ["--weighting", "uniform"],
+    "recast-tau1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "0"],
+    "recast-tau0.5": ["--weighting", "recast", "--tau", "0.5", "--gain-shift", "0"],
+    "recast-tau0.25": ["--weighting", "recast", "--tau", "0.25", "--gain-shift", "0"],
+    "reversed-tau0.25": ["--weighting", "reversed", "--tau", "0.25", "--gain-shift", "0"],
+    "sum": ["--weighting", "sum"],
+    "recast-shift1": ["--weighting", "recast", "--tau", "1", "--gain-shift", "1"],
+    "recast-shift2": ["--weighting", "recast", "--tau", "1", "--gain-shift", "2"],
+    **{f"recast-frac{f}": [*SHIPPED, "--gain-frac", f] for f in ("1", "0.5", "0.25", "0.125")},
+    "recast-every2": [*SHIPPED, "--gain-every", "2"],
+}
+NAMES = list(ToyWorld.reward_names)
+JUDGES = list(ToyWorld.judge_names)
+EVAL_EVERY = 2
+# The two settings side by side (#32): setting 2 (--rewards toy2) with setting 1's rewards among its
+# judges, setting 1 rerun as shipped with setting 2's rewards among its judges; every run keeps its
+# final eval images for the pairwise judge (studies/judge.py).
+TOY2 = ["size", "elongation", "outline", "texture"]  # rewards.PRESETS["toy2"]
+JUDGES1, JUDGES2 = [*JUDGES, *TOY2], [*JUDGES, *NAMES]
+SETTING1 = ["--judges", ",".join(JUDGES1)]
+SETTING2 = ["--rewards", "toy2", "--judges", ",".join(JUDGES2)]
+ARMS.update({
+    "s1-uniform": [*SETTING1, "--weighting", "uniform"],
+    "s1-recast": [*SETTING1, *SHIPPED],
+    "s2-uniform": [*SETTING2, "--weighting", "uniform"],
+    "s2-recast": [*SETTING2, *SHIPPED],
+    "s2-sum": [*SETTING2, "--weighting", "sum"],
+    "s1-sum": [*SETTING1, "--weighting", "sum"],  # the tau study's sum kept no eval images
+    "s1-recast-joint": [*SETTING1, *SHIPPED, "--normalize", "joint"],
+    "s2-recast-joint": [*SETTING2, *SHIPPED, "--normalize", "joint"],
+})  # fmt: skip
+
+
+STUDIES = {  # study → its arms (uniform first: every arm is paired with it) and its other pairs
+    "tau": {
+        "arms": [
+            "uniform",
+            "recast-tau1",
+            "recast-tau0.5",
+            "recast-tau0.25",
+            "reversed-tau0.25",
+            "sum",
+        ],  # fmt: skip
+        "pairs": [  # (a, b, why)
+            ("recast-tau0.25", "reversed-tau0.25", "placement control (pre-registered)"),
+            (
+                "recast-tau0.5",
+                "recast-tau1",
+                "τ = 0.5 against τ = 1 (exploratory, not in the protocol)",
+            ),  # fmt: skip
+        ],
+    },
+    "shift": {
+        "arms": ["uniform", "recast-tau1", "recast-shift1", "recast-shift2"],
+        "pairs": [
+            ("recast-shift1", "recast-tau1", "shift 1 against shift 0 (pre-registered, decides)"),
+            ("recast-shift2", "recast-tau1", "shift 2 against shift 0 (pre-registered, decides)"),
+        ],
+    },
+    "scoring": {  # how W and the outcome degrade when fewer step predictions are scored (#22)
+        "arms": [
+            "uniform",
+            "recast-frac1",
+            "recast-frac0.5",
+            "recast-frac0.25",
+            "recast-frac0.125",
+            "recast-every2",
+        ],  # fmt: skip
+        "pairs": [
+            (a, "recast-frac1", "cheaper scoring against full scoring")
+            for a in ("recast-frac0.5", "recast-frac0.25", "recast-frac0.125", "recast-every2")
+        ],  # fmt: skip
+        "budgets": ["0.4,0.2,0.2,0.2"],
+    },
+    "setting1": {  # setting 1 rerun as shipped, eval images kept; reproduces the archive's runs
+        "arms": ["s1-uniform", "s1-recast"],
+        "pairs": [],
+        "judges": JUDGES1,
+        "reproduces": {"s1-uniform": "uniform", "s1-recast": "recast-shift1"},
+    },
+    "setting2": {  # the pre-registered test in a setting nothing was tuned on (docs/results.md)
+        "arms": ["s2-uniform", "s2-recast", "s2-sum"],
+        "pairs": [],
+        "names": TOY2,
+        "judges": JUDGES2,
+    },
+    # Development (#38, in-sample): ReCAST on joint normalisation against uniform, sum and
+    # ReCAST as shipped, in both settings; the rule that picks the candidate is in results.md.
+    "dev1": {
+        "arms": ["s1-uniform", "s1-sum", "s1-recast", "s1-recast-joint"],
+        "pairs": [(a, "s1-sum", f"{a} against sum") for a in ("s1-recast", "s1-recast-joint")],
+        "judges": JUDGES1,
+    },
+    "dev2": {
+        "arms": ["s2-uniform", "s2-sum", "s2-recast", "s2-recast-joint"],
+        "pairs": [(a, "s2-sum", f"{a} against sum") for a in ("s2-recast", "s2-recast-joint")],
+        "names": TOY2,
+        "judges": JUDGES2,
+    },
+}
+REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
+REPRODUCE_TOL = 1e-5  # the shift study's protocol (docs/results.md)
+
+
+def folder(out: str, lam: str, arm: str, seed: int) -> str:
+    return os.path.join(out, "runs", f"{lam.replace(',', '_')}-{arm}-s{seed}")
+
+
+ARCHIVE = os.path.join(ROOT, "docs", "comparison", "runs.jsonl")
+
+
+def done(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "summary.json"))
+
+
+def plan(seeds: int, arms: list[str], budgets: list[str] = BUDGETS) -> list[tuple[str, str, int]]:
+    """Every (budget, arm, seed), seed by seed: the order `run` starts them in."""
+    return [(lam, arm, s) for s in range(seeds) for lam in budgets for arm in arms]
+
+
+def compact(lines: list[dict]) -> list[dict]:
+    """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*) and
+    W, and at each eval the held-out scores and gaps. (Runs archived before the scoring study
+    kept W at their last eval only.)"""
+    out = []
+    for m in lines:
+        c = {"epoch": m["epoch"], "time": sum(v for k, v in m.items() if k.startswith("time/"))}
+        c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/", "W"))})
+        out.append(c)
+    return out
+
+
+def record(path: str) -> list[dict]:
+    """A finished run folder's compact lines; where it kept its final eval images, their
+    pairwise-judge distances (1 − SSIM to the ideal rendering, studies/judge.py) ride on the
+    last line as judge/distance, so preferences can be recomputed without the images."""
+    lines = compact(read_metrics(path))
+    if os.path.isdir(os.path.join(path, eval_images.FOLDER)):
+        index, images = eval_images.load(path)
+        distance = toy_distances(images, index["prompts"])
+        lines[-1]["judge/distance"] = [round(d, 5) for d in distance.tolist()]
+    return lines
+
+
+def read_archive(path: str) -> dict[str, list[dict]]:
+    """Run name → compact lines, from the archive (empty if there is none)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return {r["run"]: r["lines"] for r in map(json.loads, f)}
+
+
+def archive(args) -> None:
+    """Add every finished run's compact record to the archive (a run already there is replaced
+    by its folder's, which is the same run)."""
+    records = read_archive(args.archive)
+    done_here = finished(args, list(ARMS))  # every study's runs share one runs/ folder
+    records.update({os.path.basename(folder(args.out, *k)): v for k, v in done_here.items()})
+    os.makedirs(os.path.dirname(args.archive), exist_ok=True)
+    with open(args.archive + ".tmp", "w") as f:
+        for name in sorted(records):
+            f.write(json.dumps({"run": name, "lines": records[name]}) + "\n")
+    os.replace(args.archive + ".tmp", args.archive)
+    print(f"{len(records)} runs in {args.archive}")
+
+
+def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar) -> None:
+    """One run of code/recast.py, resumed if a previous sitting left it unfinished; skipped when
+    the sitting's time is up. `bar` counts the finished runs."""
+    if time.monotonic() > deadline:
+        return
+    cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *ARMS[arm]]
+    cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
+    cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
+    with open(path + ".log", "a") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=code,
+                            env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
+    if rc:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {path}.log")
+    bar.set_postfix_str(f"last: {os.path.basename(path)}", refresh=False)
+    bar.update(1)
+
+
+def run(args) -> None:
+    arms, budgets = STUDIES[args.study]["arms"], STUDIES[args.study].get("budgets", BUDGETS)
+    if getattr(args, "arms", ""):  # this sitting runs only these arms (setting 2's uniform check)
+        wrong = [a for a in args.arms.split(",") if a not in arms]
+        if wrong:
+            print(f"comparison.py: error: --arms: {', '.join(wrong)} not in study {args.study} "
+                  f"({', '.join(arms)})", file=sys.stderr)  # fmt: skip
+            sys.exit(2)
+        arms = args.arms.split(",")
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    everything = plan(args.seeds, arms, budgets)
+    have = finished(args, arms)  # a folder's or the archive's
+    keys = [key for key in everything if key not in have]
+    total, left = len(everything), len(keys)
+    print(f"study {args.study}: {total} runs, {left} to go; two at a time; recast.py of "
+          f"{args.code}", flush=True)  # fmt: skip
+    deadline = time.monotonic() + 60 * args.stop_after
+    bar = tqdm(total=total, initial=total - left, unit="run", smoothing=0)
+    with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
+        jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar)
+                for key in keys]  # fmt: skip
+        for job in jobs:
+            job.result()
+    archive(args)
+    report(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def evals(lines: list[dict]) -> list[dict]:
+    return [m for m in lines if "gap/weighted" in m]
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the paired differences a_s - b_s."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return statistics.fmean(d), se
+
+
+def verdict(diff: float, se: float) -> str:
+    """The rule fixed in the protocol: win / loss beyond twice the paired standard error (no
+    verdict from one seed)."""
+    if se != se:  # NaN: fewer than two seeds
+        return "n/a"
+    return "win" if diff > 2 * se else "loss" if diff < -2 * se else "tie"
+
+
+def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
+    """(epoch, seconds of the run's own time/*) of the first eval at or above target (or inf)."""
+    seconds = 0.0
+    for m in lines[1:]:
+        seconds += m["time"]
+        if m.get("gap/weighted", -1e9) >= target:
+            return m["epoch"], seconds
+    return float("inf"), float("inf")
+
+
+def finished(args, arms: list[str]) -> dict[tuple, list[dict]]:
+    """(budget, arm, seed) → compact lines of every finished run of `arms`: its folder, else the
+    archive."""
+    kept, res = read_archive(args.archive), {}
+    for key in plan(args.seeds, arms):
+        path = folder(args.out, *key)
+        if done(path):
+            res[key] = record(path)
+        elif os.path.basename(path) in kept:
+            res[key] = kept[os.path.basename(path)]
+    return res
+
+
+def metrics_of(study: dict) -> list[str]:
+    """Every training reward's gap and every judge's final score: what the rule is applied to."""
+    names, judges = study.get("names", NAMES), study.get("judges", JUDGES)
+    return [f"gap/{n}" for n in names] + [f"eval/{n}" for n in judges]
+
+
+def rule_lines(fin, seeds, budgets, a: str, b: str,
+               metrics: list[str]) -> tuple[list[str], dict[str, list[str]]]:  # fmt: skip
+    """The pre-registered rule applied per budget to every training reward's gap and every judge's
+    final score, a − b paired within seeds: one line per metric, and metric → verdict per budget."""
+    lines, words = [], {}
+    for metric in metrics:
+        ds = [paired([fin[lam, a, s][metric] for s in seeds[lam]],
+                     [fin[lam, b, s][metric] for s in seeds[lam]]) for lam in budgets]  # fmt: skip
+        words[metric] = [verdict(d, se) for d, se in ds]
+        counts = ", ".join(f"{words[metric].count(w)} {w}" for w in ("win", "tie", "loss"))
+        each = "; ".join(
+            f"{d:+.3f} ± {se:.3f} {v}" for (d, se), v in zip(ds, words[metric], strict=True)
+        )
+        lines.append(f"- {a} − {b}, {metric}: {counts} ({each})")
+    return lines, words
+
+
+def w_error(res, seeds, budgets, pairs, out_dir: str) -> list[str]:
+    """The scoring study: per epoch, Σ|W_a − W_full| between each cheaper-scoring arm a and full
+    scoring in the same seed (mean over seeds), printed and drawn in w_error.png."""
+    out = ["", "W's L1 distance from full scoring's W in the same seed (mean over seeds), by "
+           "epoch:", ""]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for lam in budgets:
+        for a, b, _ in pairs:
+            per_seed = []
+            for s in seeds[lam]:
+                Wa = {m["epoch"]: torch.tensor(m["W"]) for m in res[lam, a, s] if "W" in m}
+                Wb = {m["epoch"]: torch.tensor(m["W"]) for m in res[lam, b, s] if "W" in m}
+                per_seed.append([float((Wa[e] - Wb[e]).abs().sum()) for e in sorted(Wa)])
+            curve = torch.tensor(per_seed).mean(0).tolist()
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=2, label=a)
+            shown = sorted({e for e in (1, 5, 10, 15) if e < len(curve)} | {len(curve)})
+            each = ", ".join(f"epoch {e} {curve[e - 1]:.3f}" for e in shown)
+            out.append(f"- λ = {lam}, {a}: {each}; mean {statistics.fmean(curve):.3f}")
+        full = [{m["epoch"]: torch.tensor(m["W"]) for m in res[lam, pairs[0][1], s] if "W" in m}
+                for s in seeds[lam]]  # fmt: skip
+        floor = [float((x[e] - y[e]).abs().sum()) for i, x in enumerate(full) for y in full[i + 1 :]
+                 for e in x]  # fmt: skip
+        if floor:  # W's own spread: full scoring in two different seeds, the same epoch
+            out.append(f"- λ = {lam}, the noise floor (full scoring, seed against seed, every "
+                       f"epoch): mean {statistics.fmean(floor):.3f}")  # fmt: skip
+            ax.axhline(statistics.fmean(floor), color="grey", ls=":", lw=1, label="seed vs seed")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("Σ|W − W(full scoring)|, same seed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "w_error.png"), dpi=110)
+    plt.close(fig)
+    return out
+
+
+def l1_from_uniform(W: list[list[float]], lam: str) -> float:
+    """Σ_k,i |W_k,i - λ_k/T| of an archived W and a budget string (reward_profile's)."""
+    budgets = torch.tensor([float(x) for x in lam.split(",")], dtype=torch.float64)
+    return reward_profile.l1_from_uniform(torch.tensor(W, dtype=torch.float64), budgets)
+
+
+def beats(words: list[str]) -> bool:
+    """Across the budgets: wins in at least 3 and loses in none (both protocols)."""
+    return words.count("win") >= 3 and "loss" not in words
+
+
+def decide(gap, budgets, judge_words, partial: bool) -> list[str]:
+    """The shift study's rule, fixed before its runs: a shift becomes the default if it beats
+    recast-tau1 across the budgets and, for each judge, loses to uniform in no more budgets than
+    recast-tau1 does; of two that qualify, the larger mean gain over recast-tau1 wins."""
+    out, qualified = ["", "Decision (the shift study's pre-registered rule):", ""], {}
+    base_losses = {j: judge_words["recast-tau1"][f"eval/{j}"].count("loss") for j in JUDGES}
+    for arm in ("recast-shift1", "recast-shift2"):
+        ds = [paired(gap[lam, arm], gap[lam, "recast-tau1"]) for lam in budgets]
+        words, mean = [verdict(d, se) for d, se in ds], statistics.fmean(d for d, _ in ds)
+        losses = {j: judge_words[arm][f"eval/{j}"].count("loss") for j in JUDGES}
+        judged = all(losses[j] <= base_losses[j] for j in JUDGES)
+        if beats(words) and judged:
+            qualified[arm] = mean
+        verb = "beats" if beats(words) else "does not beat"
+        out.append(
+            f"- {arm} vs recast-tau1: {words.count('win')} win, {words.count('tie')} tie, "
+            f"{words.count('loss')} loss, mean {mean:+.3f} ({verb}); judges lost to uniform in "
+            + ", ".join(f"{j} {losses[j]} (recast-tau1 {base_losses[j]})" for j in JUDGES)
+            + f" budgets: {'qualifies' if arm in qualified else 'does not qualify'}"
+        )
+    best = max(qualified, key=qualified.get) if qualified else None
+    shift = ARMS[best][-1] if best else "0"
+    tail = " (so far: partial)" if partial else ""
+    out.append(
+        f"- default: --gain-shift {shift}"
+        + (f" ({best})" if best else " (none qualifies: unchanged)")
+        + tail
+    )
+    return out
+
+
+def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], list[str]]:
+    """The pairwise judge (studies/judge.py) on the final eval images: per seed, the share of
+    the eval pairs in which a's image is preferred (a tie counts half) minus ½, and the same rule
+    per budget: (its line, its verdict per budget). Runs archived without their images' distances
+    have neither."""
+    per = {}
+    for lam in budgets:
+        pairs = [(fin[lam, a, s].get("judge/distance"), fin[lam, b, s].get("judge/distance"))
+                 for s in seeds[lam]]  # fmt: skip
+        if pairs and all(da and db for da, db in pairs):
+            per[lam] = [preference_rate(prefer_by_distance(torch.tensor(da), torch.tensor(db)))
+                        - 0.5 for da, db in pairs]  # fmt: skip
+    if not per:
+        return [], []
+    ds = {lam: paired(v, [0.0] * len(v)) for lam, v in per.items()}
+    words = [verdict(d, se) for d, se in ds.values()]
+    counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss"))
+    each = "; ".join(f"{d + 0.5:.3f} ({d:+.3f} ± {se:.3f}) {w}"
+                     for (d, se), w in zip(ds.values(), words, strict=True))  # fmt: skip
+    return [f"- {a} over {b}, pairwise judge (preference rate; − ½ ± SE): {counts} ({each})"], words
+
+
+def claims_lines(a: str, base: str, gap_ds, judge_words, pair_words, partial: bool) -> list[str]:
+    """The paper's three claims as the settings protocol tests them, ReCAST (a) against uniform
+    (base), across the budgets: 1. the λ-weighted gap beats or matches; 2. every held-out judge
+    beats; 3. the pairwise judge's preference beats ½. Beats: ≥ 3 wins and no loss; matches: no
+    loss."""
+
+    def counted(words: list[str]) -> str:
+        return "/".join(str(words.count(w)) for w in ("win", "tie", "loss"))
+
+    def grade(words: list[str]) -> str:
+        return "beats" if beats(words) else "matches" if "loss" not in words else "loses"
+
+    gap_words = [verdict(d, se) for d, se in gap_ds]
+    mean = statistics.fmean(d for d, _ in gap_ds)
+    shown = {"beats": "shown (improves)", "matches": "shown (matches)", "loses": "not shown"}
+    judges = {m.removeprefix("eval/"): w for m, w in judge_words.items() if m.startswith("eval/")}
+    beaten = [j for j, w in judges.items() if beats(w)]
+    out = ["", f"The paper's three claims, {a} against {base} (win/tie/loss over the budgets; "
+           "beats: ≥ 3 wins and no loss, matches: no loss)" + (", so far" if partial else "")
+           + ":", "",
+           f"1. training rewards improve or match: λ-weighted gap {counted(gap_words)}, mean "
+           f"{mean:+.3f}, {grade(gap_words)}: {shown[grade(gap_words)]}",
+           "2. every held-out judge improves: "
+           + ", ".join(f"{j} {counted(w)} {grade(w)}" for j, w in judges.items())
+           + f": {len(beaten)} of {len(judges)} beat {base}: "
+           + ("shown" if len(beaten) == len(judges) else "not shown")]  # fmt: skip
+    if pair_words:
+        verdict3 = "shown" if beats(pair_words) else "not shown"
+        out.append(f"3. the independent judge prefers {a}: pairwise {counted(pair_words)}, "
+                   f"{grade(pair_words)} ½: {verdict3}")  # fmt: skip
+    else:
+        out.append("3. the independent judge prefers it: no eval images' distances: not measured")
+    return out
+
+
+def reproduction_lines(args, res, seeds, study: dict) -> list[str]:
+    """Each rerun arm's eval/gap values at every eval against the archived run it repeats (same
+    budget and seed; the values both have), the largest difference per arm against
+    REPRODUCE_TOL."""
+    kept = read_archive(args.archive)
+    out = ["", f"Reproduction of the archived runs (every eval/gap value both have, tolerance "
+           f"{REPRODUCE_TOL:g}):", ""]  # fmt: skip
+    for arm, archived in study["reproduces"].items():
+        worst, over, n = 0.0, [], 0
+        for lam in seeds:
+            for s in seeds[lam]:
+                old = kept.get(os.path.basename(folder("", lam, archived, s)))
+                if old is None:
+                    continue
+                new = evals(res[lam, arm, s])
+                diffs = [abs(x[k] - y[k]) for x, y in zip(new, evals(old), strict=True)
+                         for k in y if k.startswith(("eval/", "gap/")) and k in x]  # fmt: skip
+                n += 1
+                worst = max(worst, max(diffs))
+                if max(diffs) > REPRODUCE_TOL:
+                    over.append(f"{lam} s{s} ({max(diffs):.1e})")
+        beyond = f"beyond the tolerance: {', '.join(over)}" if over else "all within"
+        out.append(f"- {arm} against {archived}: {n} runs, largest difference {worst:.1e}; "
+                   + beyond)  # fmt: skip
+    return out
+
+
+def report(args) -> None:
+    study = STUDIES[args.study]
+    arms, out_dir = study["arms"], os.path.join(args.out, args.study)
+    base, names, judges = arms[0], study.get("names", NAMES), study.get("judges", JUDGES)
+    os.makedirs(out_dir, exist_ok=True)
+    res = finished(args, arms)
+    seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
+             for lam in study.get("budgets", BUDGETS)}  # fmt: skip
+    if not any(seeds.values()):
+        print(f"study {args.study}: nothing finished yet: no (budget, seed) with all arms done")
+        return
+    res = {(lam, a, s): res[lam, a, s] for lam in seeds for a in arms for s in seeds[lam]}
+    fin = {k: evals(v)[-1] for k, v in res.items()}
+    budgets = [lam for lam in seeds if seeds[lam]]
+    gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
+           for lam in budgets for a in arms}  # fmt: skip
+    rows = [f"| λ | arm | seeds | λ-weighted gap | vs {base} (paired) | verdict | "
+            + " | ".join(names) + " | " + " | ".join(judges)
+            + f" | epochs to 90% of {base} | seconds to 90% |",
+            "|---" * (10 + len(names) + len(judges) - 2) + "|"]  # fmt: skip
+    summary = {a: [] for a in arms}  # (diff, se) per budget
+    for lam in budgets:
+        ss = seeds[lam]
+        target = 0.9 * statistics.fmean(gap[lam, base])
+        for a in arms:
+            diff, se = paired(gap[lam, a], gap[lam, base])
+            if a != base:
+                summary[a].append((diff, se))
+            reach = [to_reach(res[lam, a, s], target) for s in ss]
+            cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[lam, a])),
+                     "" if a == base else f"{diff:+.3f} ± {se:.3f}",
+                     "" if a == base else verdict(diff, se)]  # fmt: skip
+            cells += ["{:+.2f}".format(statistics.fmean(fin[lam, a, s][f"gap/{n}"] for s in ss))
+                      for n in names]  # fmt: skip
+            cells += ["{:.3f}".format(statistics.fmean(fin[lam, a, s][f"eval/{n}"] for s in ss))
+                      for n in judges]  # fmt: skip
+            cells += [f"{statistics.median(e for e, _ in reach):.0f}",
+                      f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
+            rows.append(f"| {' | '.join(cells)} |")
+    lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", ""]
+    partial = min(len(ss) for ss in seeds.values()) < args.seeds
+    if partial:  # the protocol decides on every seed: a part of them decides nothing
+        have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in seeds)
+        note = (
+            f"**Partial, not a result:** finished seeds per budget ({have}) of the "
+            f"{args.seeds} the protocol decides on; every verdict below is provisional."
+        )
+        lines += [note, ""]
+    lines += [*rows, ""]
+    lines.append(f"Across the budgets (arm beats {base}: wins in ≥ 3 budgets and loses in none):")
+    lines.append("")
+    for a, ds in summary.items():
+        if a == base or not ds:
+            continue
+        words = [verdict(d, se) for d, se in ds]
+        counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss", "n/a"))
+        mean_diff = statistics.fmean(d for d, _ in ds)
+        lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
+                     f"{'beats' if beats(words) else 'does not beat'} {base}"
+                     + (" (so far)" if partial else ""))  # fmt: skip
+    if study["pairs"]:
+        lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
+    for a, b, why in study["pairs"]:
+        for lam in budgets:
+            d, se = paired(gap[lam, a], gap[lam, b])
+            lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
+    lines += ["", "Per training reward (gap closed) and per held-out judge (final score), the same "
+              "rule per budget (" + ", ".join(budgets) + "):", ""]  # fmt: skip
+    judge_words, metrics = {}, metrics_of(study)
+    pair_words = {}
+    for a in arms[1:]:
+        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, base, metrics)
+        lines += more
+        more, pair_words[a] = pairwise_lines(fin, seeds, budgets, a, base)
+        lines += more
+    for a, b, _ in study["pairs"]:
+        lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
+        lines += pairwise_lines(fin, seeds, budgets, a, b)[0]
+    if args.study == "shift":
+        lines += decide(gap, budgets, judge_words, partial)
+    if args.study == "scoring":
+        lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
+    if args.study.startswith("setting"):  # ReCAST as shipped against the paper's claims
+        a = arms[1]
+        lines += claims_lines(a, base, summary[a], judge_words[a], pair_words[a], partial)
+    if "reproduces" in study:
+        lines += reproduction_lines(args, res, seeds, study)
+    lines += ["", f"Does W's distance from uniform predict the gain? Per budget: the mean final "
+              f"W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
+              f"{base}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
+              ""]  # fmt: skip
+    for a in (a for a in arms if "recast" in a):
+        far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
+               for lam in budgets]  # fmt: skip
+        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, base])
+                for lam in budgets]  # fmt: skip
+        each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))
+        rho = (
+            f"; ρ {spearman(far, gain):+.2f} over {len(budgets)} budgets"
+            if len(budgets) > 1
+            else ""
+        )
+        lines.append(f"- {a}: {each}{rho}")  # one budget: no relation to rank
+    lines += ["", f"Has {base}'s curve flattened? Its λ-weighted gap's change between its last "
+              "three evals (mean over seeds):", ""]  # fmt: skip
+    for lam in budgets:
+        late = [[m["gap/weighted"] for m in evals(res[lam, base, s])[-3:]] for s in seeds[lam]]
+        steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
+        lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
+    ses = [se for se in (s for _, s in summary.get(arms[1], [])) if se == se]
+    if ses:
+        lines.append(f"\nResolvable difference (2 × the median paired SE of {arms[1]} over the "
+                     f"budgets): {2 * statistics.median(ses):.3f}")  # fmt: skip
+    first = next(iter(res.values()))[0]
+    lines.append(
+        "\nBase model: " + ", ".join(f"{n} {first[f'eval/{n}']:+.3f}" for n in names + judges)
+    )
+    lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
+    if args.study == "setting2":
+        lines += settings_w(args, fin, seeds, out_dir)
+    with open(os.path.join(out_dir, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(res, fin, gap, seeds, arms, out_dir, names)
+    print("\n".join(lines))
+    print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
+
+
+def draw_w(ax, Ws: list, names: list[str]) -> None:
+    """One panel of weights.png / w_settings.png: the mean of these final W, times T (uniform
+    weighting is λ_k·T per row), reward names on the rows when given."""
+    W = torch.tensor(Ws).mean(0)
+    ax.imshow((W * W.shape[1]).numpy(), cmap="magma", vmin=0, vmax=1.5, aspect="auto")
+    ax.set_xticks([])
+    ax.set_yticks(range(W.shape[0]), names, fontsize=6)
+
+
+def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
+    """ReCAST's mean final W in setting 1 (the s1-recast reruns) above setting 2's, per budget,
+    over the seeds both settings have finished: w_settings.png, and each W's L1 distance from
+    uniform. Nothing when setting 1 has no finished run yet."""
+    s1 = finished(args, ["s1-recast"])
+    both = {lam: [s for s in ss if (lam, "s1-recast", s) in s1] for lam, ss in seeds.items()}
+    both = {lam: ss for lam, ss in both.items() if ss}
+    if not both:
+        return []
+    rows = [("s1-recast", NAMES, lambda lam, s: evals(s1[lam, "s1-recast", s])[-1]["W"]),
+            ("s2-recast", TOY2, lambda lam, s: fin[lam, "s2-recast", s]["W"])]  # fmt: skip
+    fig, axes = plt.subplots(2, len(both), figsize=(2.4 * len(both), 3.2), squeeze=False)
+    out = ["", "ReCAST's mean final W in both settings (w_settings.png); per budget, the final "
+           "W's L1 distance from uniform (mean over seeds), setting 1 → setting 2:",
+           ""]  # fmt: skip
+    far = {}
+    for i, (arm, names, W_of) in enumerate(rows):
+        for j, (lam, ss) in enumerate(both.items()):
+            far[arm, lam] = statistics.fmean(l1_from_uniform(W_of(lam, s), lam) for s in ss)
+            ax = axes[i][j]
+            draw_w(ax, [W_of(lam, s) for s in ss], names if j == 0 else [])
+            ax.set_title(f"{'setting 1' if i == 0 else 'setting 2'}, λ = {lam}", fontsize=7)
+    for lam, ss in both.items():
+        n = f"{len(ss)} seed" + "s" * (len(ss) > 1)
+        out.append(f"- λ = {lam} ({n}): {far['s1-recast', lam]:.2f} → "
+                   f"{far['s2-recast', lam]:.2f}")  # fmt: skip
+    fig.suptitle("ReCAST's mean final W·T, setting 1 (top) and setting 2 (bottom); timestep 0 = "
+                 "noise at the left", fontsize=8)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "w_settings.png"), dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) -> None:
+    budgets = list(dict.fromkeys(lam for lam, _ in gap))
+    fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for ax, lam in zip(axes[0], budgets, strict=True):
+        for a in arms:
+            curves = torch.tensor([[0.0] + [m["gap/weighted"] for m in evals(res[lam, a, s])]
+                                   for s in seeds[lam]])  # fmt: skip
+            epochs = [0] + [m["epoch"] for m in evals(res[lam, a, seeds[lam][0]])]
+            ax.plot(epochs, curves.mean(0).tolist(), label=a, lw=1.2)
+        ax.set_title(f"λ = {lam}  ({len(seeds[lam])} seeds)", fontsize=9)
+        ax.set_xlabel("epoch")
+    axes[0][0].set_ylabel("λ-weighted gap closed (mean)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
+    plt.close(fig)
+
+    base, dosed = arms[0], [a for a in arms[1:] if not a.endswith("sum")]
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for j, lam in enumerate(budgets):
+        ds = [paired(gap[lam, a], gap[lam, base]) for a in dosed]
+        x = [i + 0.08 * (j - 2) for i in range(len(dosed))]
+        ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
+                    fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
+    ax.axhline(0, color="grey", lw=0.6)
+    ax.set_xticks(range(len(dosed)), dosed, fontsize=8, rotation=15)
+    ax.set_ylabel(f"gap closed − {base}'s (± 2 SE)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "dose.png"), dpi=110)
+    plt.close(fig)
+
+    shown = [a for a in arms if not a.endswith("sum")]
+    size = (2.4 * len(budgets), 1.5 * len(shown))
+    fig, axes = plt.subplots(len(shown), len(budgets), figsize=size, squeeze=False)
+    for i, a in enumerate(shown):
+        for j, lam in enumerate(budgets):
+            ax = axes[i][j]
+            draw_w(ax, [fin[lam, a, s]["W"] for s in seeds[lam]], names if j == 0 else [])
+            if i == 0:
+                ax.set_title(f"λ = {lam}", fontsize=7)
+            if j == 0:
+                ax.set_ylabel(a, fontsize=7)
+    fig.suptitle("mean final W·T (timestep 0 = noise at the left; rows sum to λ·T)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "weights.png"), dpi=110)
+    plt.close(fig)
+
+
+def reproduce(args) -> None:
+    """Rerun the REPRODUCE runs with --code's recast.py into OUT/reproduce/ and compare every
+    eval/gap value at every eval with the archive's; exit 1 beyond REPRODUCE_TOL."""
+    kept = read_archive(args.archive)
+    keys = [(BUDGETS[0], a, 0) for a in args.arms.split(",")] if args.arms else REPRODUCE
+    paths = [os.path.join(args.out, "reproduce", os.path.basename(folder("", *k))) for k in keys]
+    os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+    print(f"rerunning {len(paths)} archived runs with recast.py of {args.code}", flush=True)
+    with tqdm(total=len(paths), unit="run") as bar, ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_one, args.code, path, *key, math.inf, bar)
+                for path, key in zip(paths, keys, strict=True) if not done(path)]  # fmt: skip
+        for job in jobs:
+            job.result()
+    worst = 0.0
+    for path in paths:
+        new, old = evals(compact(read_metrics(path))), evals(kept[os.path.basename(path)])
+        if len(new) != len(old):
+            raise SystemExit(f"{path}: {len(new)} evals, the archive has {len(old)}")
+        diffs = [
+            abs(a[k] - b[k])
+            for a, b in zip(new, old, strict=True)
+            for k in b
+            if k.startswith(("eval/", "gap/"))
+        ]
+        W = max(
+            abs(x - y)
+            for r, q in zip(new[-1]["W"], old[-1]["W"], strict=True)
+            for x, y in zip(r, q, strict=True)
+        )
+        print(f"{os.path.basename(path)}: {len(diffs)} eval/gap values, largest difference from "
+              f"the archive {max(diffs):.1e} (final W: {W:.1e})")  # fmt: skip
+        worst = max(worst, max(diffs))
+    ok = worst <= REPRODUCE_TOL
+    print(f"{'reproduced' if ok else 'NOT reproduced'}: largest difference {worst:.1e} "
+          f"{'≤' if ok else '>'} {REPRODUCE_TOL:g}")  # fmt: skip
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce"])
+    ap.add_argument("--study", choices=list(STUDIES), default="tau",
+                    help="which comparison: tau (the first), shift (the alignment) or scoring "
+                         "(fewer step predictions scored)")  # fmt: skip
+    ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
+    ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
+    ap.add_argument("--code", default=ROOT,
+                    help="the checkout whose recast.py `run` runs: a sweep keeps one commit from "
+                         "its first run to its last (docs/results.md names it)")  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
+    ap.add_argument("--arms", default="",
+                    help="run: only these arms of the study; reproduce: rerun these arms' "
+                         "archived runs at the first budget, seed 0, instead of REPRODUCE "
+                         "(comma-separated)")  # fmt: skip
+    ap.add_argument("--stop-after", type=float, default=150.0,
+                    help="minutes after which no new run starts (running ones finish)")  # fmt: skip
+    args = ap.parse_args()
+    {"run": run, "report": report, "archive": archive, "reproduce": reproduce}[args.cmd](args)

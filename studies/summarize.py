@@ -1,0 +1,112 @@
+"""Base vs final eval of one or more recast.py runs (seeds), as markdown tables: mean ± std and
+the worst run per reward, and every run's gaps closed; counts of runs that improve each reward;
+W's marginals and centroids; where the time goes.
+
+python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
+"""
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing.checkpoints import read_metrics  # noqa: E402
+from plumbing.plots import timestep_centroid  # noqa: E402
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one number)."""
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def spearman(x, y) -> float:
+    """Rank correlation; tied values share their mean rank; nan when either side is constant."""
+
+    def ranks(v):
+        v = torch.as_tensor(v, dtype=torch.float64).flatten()
+        r = v.argsort().argsort().double()
+        for u in v.unique():
+            r[v == u] = r[v == u].mean()
+        return r - r.mean()
+
+    a, b = ranks(x), ranks(y)
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else float("nan")
+
+
+def fmt(xs: list[float]) -> str:
+    return "{:+.3f} ± {:.3f}".format(*mean_std(xs))
+
+
+def read_args(run: str) -> dict:
+    with open(os.path.join(run, "args.json")) as f:
+        return json.load(f)
+
+
+def main(runs: list[str]) -> None:
+    lines = [read_metrics(run) for run in runs]
+    base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
+    names = [k[5:] for k in base if k.startswith("eval/")]
+    seeds = [read_args(run)["seed"] for run in runs]
+    print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs, and the "
+          "worst run (its --seed)\n")  # fmt: skip
+    print("| | base model | final | fraction of the gap to the ideal closed | worst | "
+          "ideal rendering |\n|---|---|---|---|---|---|")  # fmt: skip
+    for n in [*names, "weighted"]:
+        gaps = [m[f"gap/{n}"] for m in finals]
+        worst = min(range(len(runs)), key=gaps.__getitem__)
+        if n == "weighted":
+            print(f"| **λ-weighted** | | | **{fmt(gaps)}** | {gaps[worst]:+.3f} (seed "
+                  f"{seeds[worst]}) | |")  # fmt: skip
+            continue
+        final = fmt([m[f"eval/{n}"] for m in finals])
+        print(f"| {n} | {base[f'eval/{n}']:+.3f} | {final} | {fmt(gaps)} | {gaps[worst]:+.3f} "
+              f"(seed {seeds[worst]}) | {base[f'ideal/{n}']:+.3f} |")  # fmt: skip
+    print("\nper run, fraction of the gap to the ideal closed at the final eval:\n")
+    print("| seed | " + " | ".join([*names, "λ-weighted"]) + " |\n|" + "---|" * (len(names) + 2))
+    for seed, m in sorted(zip(seeds, finals, strict=True), key=lambda x: x[0]):
+        print(f"| {seed} | " + " | ".join(f"{m[f'gap/{n}']:+.3f}" for n in [*names, "weighted"])
+              + " |")  # fmt: skip
+    print("\nabove the base model at the final eval, per reward and judge:")
+    for n in names:
+        up = [s for s, m in zip(seeds, finals, strict=True) if m[f"eval/{n}"] > base[f"eval/{n}"]]
+        down = [s for s in seeds if s not in up]
+        print(f"  {n} improves in {len(up)} of {len(runs)} runs"
+              + (f" (not in seed {', '.join(map(str, down))})" if down else ""))  # fmt: skip
+    # W: its marginals, and where each reward's weight sits (centroid over timesteps)
+    Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
+    lam = Ws[0].sum(1)
+    err = max(
+        max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
+    )
+    cents = torch.stack([timestep_centroid(W) for W in Ws])  # (E, K)
+    rewards = read_args(runs[0])["rewards"].split(",")
+    print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
+    print(
+        "weight centroid (timestep, mean ± std over epochs): "
+        + ", ".join(
+            f"{n} {c.mean():.2f} ± {c.std():.2f}" for n, c in zip(rewards, cents.T, strict=True)
+        )
+    )
+    for k in range(1, len(rewards)):
+        before = int((cents[:, 0] < cents[:, k]).sum())
+        print(f"  {rewards[0]} before {rewards[k]}: {before} of {len(Ws)} epochs")
+    # where the time goes: each run's own time/*, summed over its epochs
+    times = [{} for _ in lines]
+    for t, ls in zip(times, lines, strict=True):
+        for m in ls[1:]:
+            for k, v in m.items():
+                if k.startswith("time/"):
+                    t[k[5:]] = t.get(k[5:], 0.0) + v
+    share = {k: [100 * t[k] / sum(t.values()) for t in times] for k in times[0]}
+    cells = ["{} {:.1f} ± {:.1f} %".format(k, *mean_std(v)) for k, v in share.items()]
+    print(f"time (share of each run's time/*, mean ± std over runs): {', '.join(cells)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])

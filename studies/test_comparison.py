@@ -1,0 +1,291 @@
+"""Tests of studies/comparison.py on made-up runs: the pre-registered win/tie/loss rule, the
+"beats uniform" count across budgets, and that the archive rebuilds the same report without the
+run folders."""
+
+import argparse
+import json
+import os
+import shutil
+
+import pytest
+
+from studies import comparison as cmp
+
+# Per arm, the final λ-weighted gap's offset from uniform's in seeds 0 and 1 (every budget).
+OFFSETS = {
+    "uniform": (0.0, 0.0),
+    "recast-tau1": (0.05, 0.06),  # mean +0.055, paired SE 0.005: a win
+    "recast-tau0.5": (0.03, -0.02),  # mean +0.005, SE 0.025: a tie
+    "recast-tau0.25": (0.01, 0.011),  # mean +0.0105, SE 0.0005: a (small) win
+    "reversed-tau0.25": (-0.10, -0.12),  # a loss
+    "sum": (0.0, 0.0),  # identical to uniform: SE 0, difference 0, a tie
+    "recast-shift1": (0.08, 0.10),  # over recast-tau1: +0.03, +0.04, SE 0.005: a win
+    "recast-shift2": (0.10, 0.12),  # over recast-tau1: +0.05, +0.06: a larger win
+}
+IOU = {"recast-shift2": (-0.05, -0.06)}  # final iou's offset from every other arm's: a judge loss
+
+
+def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
+    """metrics.jsonl with an eval every 2 epochs up to epoch 4, and summary.json (finished)."""
+    os.makedirs(path)
+    final = 0.30 + 0.01 * lam_index + 0.02 * seed + OFFSETS[arm][seed]
+    names = cmp.NAMES + cmp.JUDGES
+    lines = [{"epoch": 0, **{f"eval/{n}": -1.0 for n in names}}]
+    for epoch in range(1, 5):
+        m = {"epoch": epoch, "time/rollout": 1.0, "time/update": 2.0, "W": [[0.025] * 10] * 4}
+        if epoch % 2 == 0:
+            m.update({f"eval/{n}": -1.0 + epoch / 10 for n in names})
+            m["eval/iou"] += IOU.get(arm, (0.0, 0.0))[seed] * epoch / 4
+            m.update({f"gap/{n}": epoch / 40 for n in names})
+            m["gap/weighted"] = final * epoch / 4
+        lines.append(m)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    out = tmp_path / "sweep"
+    for j, lam in enumerate(cmp.BUDGETS):
+        for arm in OFFSETS:  # the tau and shift studies' arms
+            for seed in (0, 1):
+                fake_run(cmp.folder(str(out), lam, arm, seed), j, arm, seed)
+    return argparse.Namespace(
+        out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2, code=cmp.ROOT, study="tau"
+    )
+
+
+def test_verdict_is_the_pre_registered_rule():
+    assert cmp.verdict(0.041, 0.02) == "win" and cmp.verdict(-0.041, 0.02) == "loss"
+    assert cmp.verdict(0.039, 0.02) == "tie" and cmp.verdict(-0.039, 0.02) == "tie"
+    assert cmp.verdict(0.1, float("nan")) == "n/a"  # one seed: no verdict
+    assert cmp.paired([0.35, 0.37], [0.30, 0.31]) == pytest.approx((0.055, 0.005))
+
+
+def test_report_counts_budgets_and_the_archive_rebuilds_it(sweep, capsys):
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "tau", "table.md")).read()
+    assert "- recast-tau1: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.055; beats" in (
+        table
+    )
+    assert "- recast-tau0.5: 0 win, 5 tie, 0 loss, 0 n/a" in table
+    assert "- recast-tau0.25: 5 win, 0 tie, 0 loss, 0 n/a" in table
+    lost = "- reversed-tau0.25: 0 win, 0 tie, 5 loss, 0 n/a; mean paired difference -0.110; does"
+    assert lost in table
+    assert "- sum: 0 win, 5 tie, 0 loss" in table
+    assert "Partial" not in table and "so far" not in table  # every seed of the protocol is done
+    # epochs to 90 % of uniform's final gap: uniform reaches it at its last eval, reversed never
+    row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | reversed"))
+    assert row.endswith("| inf | inf |"), row
+    row = next(r for r in table.splitlines() if r.startswith("| 0.4,0.2,0.2,0.2 | uniform"))
+    assert row.endswith("| 4 | 12 |"), row  # 4 epochs of 3 s
+    # the placement control, paired within seeds: recast-tau0.25 − reversed: +0.110 and +0.131
+    placed = "- placement control (pre-registered), λ = 0.2,0.2,0.2,0.4: recast-tau0.25 − "
+    assert placed + "reversed-tau0.25 = +0.121 ± 0.010, win" in table
+    explore = "λ = 0.4,0.2,0.2,0.2: recast-tau0.5 − recast-tau1 = -0.050 ± 0.030, tie"
+    assert explore in table
+    # uniform's gap rises linearly: from epoch 2 to 4 it gains half its final value
+    assert "- λ = 0.4,0.2,0.2,0.2: +0.155" in table  # seeds 0, 1: (0.30 − 0.15, 0.32 − 0.16)
+    for figure in ("curves.png", "dose.png", "weights.png"):
+        assert os.path.getsize(os.path.join(sweep.out, "tau", figure)) > 0
+
+    cmp.archive(sweep)
+    shutil.rmtree(os.path.join(sweep.out, "runs"))
+    os.remove(os.path.join(sweep.out, "tau", "table.md"))
+    cmp.report(sweep)
+    assert open(os.path.join(sweep.out, "tau", "table.md")).read() == table
+
+
+def test_an_unfinished_seed_is_left_out(sweep):
+    os.remove(os.path.join(cmp.folder(sweep.out, cmp.BUDGETS[0], "sum", 1), "summary.json"))
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "tau", "table.md")).read()
+    rows = [r for r in table.splitlines() if r.startswith(f"| {cmp.BUDGETS[0]} |")]
+    assert rows and all(r.split(" | ")[2] == "1" for r in rows)  # seed 0 only in that budget
+    assert "- recast-tau1: 4 win, 0 tie, 0 loss, 1 n/a" in table and "(so far)" in table
+    assert "**Partial, not a result:** finished seeds per budget (0.4,0.2,0.2,0.2: 1, " in table
+
+
+def test_run_skips_finished_and_archived_runs_and_stops_at_the_deadline(sweep, monkeypatch):
+    import types
+
+    started = []
+    fake = lambda cmd, **kw: started.append(cmd) or types.SimpleNamespace(returncode=0)  # noqa: E731
+    monkeypatch.setattr(cmp.subprocess, "run", fake)
+    unfinished = cmp.folder(sweep.out, cmp.BUDGETS[0], "sum", 1)
+    os.remove(os.path.join(unfinished, "summary.json"))
+    sweep.stop_after = 0.0  # the sitting is over before it starts: nothing new is started
+    cmp.run(sweep)
+    assert started == []
+    assert len(cmp.read_archive(sweep.archive)) == 79  # every finished run of both studies
+    sweep.stop_after, sweep.code = 60.0, "/pinned/checkout"  # --code: the commit a sweep keeps
+    cmp.run(sweep)
+    assert len(started) == 1 and started[0][1] == "/pinned/checkout/recast.py"
+    assert started[0][started[0].index("--out") + 1] == unfinished
+    assert started[0][started[0].index("--weighting") + 1] == "sum"
+    # Another machine: the run folders are gone, the archive is not. Only the unfinished run,
+    # which the archive does not hold, is started again.
+    shutil.rmtree(os.path.join(sweep.out, "runs"))
+    cmp.run(sweep)
+    assert len(started) == 2 and started[1][started[1].index("--out") + 1] == unfinished
+
+
+def test_shift_study_prints_judge_lines_and_applies_the_decision_rule(sweep):
+    sweep.study = "shift"
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "shift", "table.md")).read()
+    assert "- recast-shift1: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.090; beats" in (
+        table
+    )
+    # the rule per budget on each training reward and judge, against uniform and recast-tau1
+    assert (
+        "- recast-shift2 − uniform, eval/iou: 0 win, 0 tie, 5 loss (-0.055 ± 0.005 loss;" in table
+    )
+    assert "- recast-shift1 − recast-tau1, eval/iou: 0 win, 5 tie, 0 loss" in table
+    assert "- recast-shift1 − uniform, gap/position: 0 win, 5 tie, 0 loss" in table
+    # shift 2 beats recast-tau1 by more, but loses iou in 5 budgets where recast-tau1 loses none
+    assert "- recast-shift1 vs recast-tau1: 5 win, 0 tie, 0 loss, mean +0.035 (beats)" in table
+    assert "iou 5 (recast-tau1 0) budgets: does not qualify" in table
+    assert "- default: --gain-shift 1 (recast-shift1)" in table
+    assert "recast-tau0.5" not in table  # the other study's arms stay out
+
+
+def test_shift_study_without_a_qualifier_keeps_the_default(sweep):
+    sweep.study = "shift"
+    for lam in cmp.BUDGETS:  # shift 1 now equals recast-tau1: ties everywhere
+        for seed in (0, 1):
+            path = cmp.folder(sweep.out, lam, "recast-shift1", seed)
+            shutil.rmtree(path)
+            shutil.copytree(cmp.folder(sweep.out, lam, "recast-tau1", seed), path)
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "shift", "table.md")).read()
+    assert "- default: --gain-shift 0 (none qualifies: unchanged)" in table
+
+
+def test_scoring_study_reports_w_error_per_epoch(sweep):
+    """The scoring study: one budget; W's L1 distance from full scoring's, epoch by epoch."""
+    sweep.study = "scoring"
+    for arm, bump in (("recast-frac1", 0.0), ("recast-frac0.5", 0.01), ("recast-frac0.25", 0.02),
+                      ("recast-frac0.125", 0.04), ("recast-every2", 0.0)):  # fmt: skip
+        for seed in (0, 1):
+            path = cmp.folder(sweep.out, cmp.BUDGETS[0], arm, seed)
+            fake_run(path, 0, "recast-tau1", seed)
+            lines = cmp.read_metrics(path)
+            for m in lines[1:]:  # W moves off λ/T by bump·epoch in two cells
+                m["W"] = [row[:] for row in m["W"]]
+                m["W"][0][0] += bump * m["epoch"]
+                m["W"][1][0] -= bump * m["epoch"]
+            with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+                f.writelines(json.dumps(m) + "\n" for m in lines)
+    cmp.report(sweep)
+    table = open(os.path.join(sweep.out, "scoring", "table.md")).read()
+    assert "Partial" not in table  # one budget is the whole study
+    assert "- λ = 0.4,0.2,0.2,0.2, recast-frac0.125: epoch 1 0.080, " in table  # 2 · 0.04 · 1
+    assert "- λ = 0.4,0.2,0.2,0.2, recast-every2: epoch 1 0.000, " in table
+    assert "the noise floor (full scoring, seed against seed, every epoch): mean 0.000" in table
+    assert os.path.getsize(os.path.join(sweep.out, "scoring", "w_error.png")) > 0
+
+
+def fake_setting_run(path: str, arm: str, seed: int, images=None, bump: float = 0.0) -> None:
+    """A finished run of a settings study (#32): setting 1's or 2's rewards and judges, an eval
+    every 2 epochs up to 4, and its final eval images when given."""
+    from plumbing import eval_images
+    from worlds import toyworld as tw
+
+    study = cmp.STUDIES["setting2" if arm.startswith("s2") else "setting1"]
+    names = study.get("names", cmp.NAMES) + study["judges"]
+    os.makedirs(path)
+    final = 0.30 + 0.02 * seed + bump
+    lines = [{"epoch": 0, **{f"eval/{n}": -1.0 for n in names}}]
+    for epoch in range(1, 5):
+        m = {"epoch": epoch, "time/update": 2.0, "W": [[0.025] * 10] * 4}
+        if epoch % 2 == 0:
+            m.update({f"eval/{n}": -1.0 + epoch / 10 for n in names})
+            m.update({f"gap/{n}": epoch / 40 for n in names})
+            m["gap/weighted"] = final * epoch / 4
+        lines.append(m)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+    if images is not None:
+        prompts = tw.HELDOUT_PROMPTS[:4]
+        index = {"epoch": 4, "prompts": prompts, "noise_sha256": "same"}
+        eval_images.save(path, images(prompts), 0, index, rank=0)
+
+
+def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_path):
+    """Setting 2: ReCAST's eval images are the ideal renderings, uniform's blurred ones: the
+    pairwise judge prefers ReCAST's in every pair of every seed (a win in every budget) and
+    sum's not at all; the distances ride in the archive. Setting 1: the reruns against the
+    archived runs they repeat, one of them off by 1e-4."""
+    from worlds import toyworld as tw
+
+    ideal = tw.render
+    blurred = lambda p: tw.blur(tw.render(p).flatten(0, 1), 1.5).view(len(p), 3, 32, 32)  # noqa: E731
+    out = tmp_path / "sweep"
+    for lam in cmp.BUDGETS:
+        for seed in (0, 1):
+            for arm, images, bump in (("s2-uniform", blurred, 0.0), ("s2-recast", ideal, 0.01),
+                                      ("s2-sum", blurred, 0.0), ("s1-uniform", None, 0.0),
+                                      ("s1-recast", None, 0.0), ("uniform", None, 0.0),
+                                      ("recast-shift1", None, 0.0)):  # fmt: skip
+                fake_setting_run(cmp.folder(str(out), lam, arm, seed), arm, seed, images, bump)
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=2,
+                              code=cmp.ROOT, study="setting2")  # fmt: skip
+    cmp.report(args)
+    table = open(os.path.join(str(out), "setting2", "table.md")).read()
+    assert "| λ | arm | seeds | λ-weighted gap | vs s2-uniform (paired) | verdict | size |" in table
+    assert (
+        "- s2-recast: 5 win, 0 tie, 0 loss, 0 n/a; mean paired difference +0.010; beats s2-"
+        in table
+    )
+    assert "- s2-recast − s2-uniform, eval/position: 0 win, 5 tie, 0 loss" in table  # a judge
+    assert "- s2-recast − s2-uniform, gap/outline: 0 win, 5 tie, 0 loss" in table
+    assert "- s2-recast over s2-uniform, pairwise judge (preference rate; − ½ ± SE): 5 win, " in (
+        table
+    )
+    assert "1.000 (+0.500 ± 0.000) win" in table
+    assert (
+        "1. training rewards improve or match: λ-weighted gap 5/0/0, mean +0.010, beats: shown"
+        in (table)
+    )
+    assert "2. every held-out judge improves: shape 0/5/0 matches, iou 0/5/0 matches," in table
+    assert ": 0 of 6 beat s2-uniform: not shown" in table
+    assert "3. the independent judge prefers s2-recast: pairwise 5/0/0, beats ½: shown" in table
+    # the made-up W is 0.025 everywhere: uniform for equal λ, 0.30 from λ/T for 0.4,0.2,0.2,0.2
+    assert "- λ = 0.25,0.25,0.25,0.25 (2 seeds): 0.00 → 0.00" in table
+    assert "- λ = 0.4,0.2,0.2,0.2 (2 seeds): 0.30 → 0.30" in table
+    assert os.path.getsize(os.path.join(str(out), "setting2", "w_settings.png")) > 0
+    assert "- s2-sum over s2-uniform, pairwise judge (preference rate; − ½ ± SE): 0 win, 5 tie" in (
+        table
+    )
+    cmp.archive(args)
+    kept = cmp.read_archive(args.archive)
+    name = os.path.basename(cmp.folder("", cmp.BUDGETS[0], "s2-recast", 0))
+    assert len(kept[name][-1]["judge/distance"]) == 4  # 8-bit PNGs of the ideal: about 0
+    assert max(kept[name][-1]["judge/distance"]) < 1e-3
+    shutil.rmtree(os.path.join(str(out), "runs"))  # the archive alone rebuilds the same table
+    os.remove(os.path.join(str(out), "setting2", "table.md"))
+    cmp.report(args)
+    assert open(os.path.join(str(out), "setting2", "table.md")).read() == table
+
+    # setting 1: the reruns repeat the archived runs; one value of one run is off by 1e-4
+    path = cmp.folder("", cmp.BUDGETS[1], "recast-shift1", 1)
+    lines = kept[os.path.basename(path)]
+    lines[-1]["eval/iou"] += 1e-4
+    with open(args.archive, "w") as f:
+        f.writelines(json.dumps({"run": k, "lines": v}) + "\n" for k, v in kept.items())
+    args.study = "setting1"
+    cmp.report(args)
+    table = open(os.path.join(str(out), "setting1", "table.md")).read()
+    assert "- s1-uniform against uniform: 10 runs, largest difference 0.0e+00; all within" in table
+    assert (
+        "- s1-recast against recast-shift1: 10 runs, largest difference 1.0e-04; beyond the "
+        in (table)
+    )
+    assert "0.2,0.4,0.2,0.2 s1 (1.0e-04)" in table
+    assert "λ-weighted gap 0/5/0, mean +0.000, matches: shown (matches)" in table
+    assert "3. the independent judge prefers it: no eval images' distances: not measured" in table

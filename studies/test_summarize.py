@@ -1,0 +1,45 @@
+"""Tests of studies/summarize.py on made-up runs: the worst seed per row and the counts of
+runs in which each reward and judge ends above the base model."""
+
+import json
+import os
+
+from studies import summarize
+
+NAMES = ["position", "background", "iou"]
+
+
+def fake_run(path, seed: int, final: dict[str, float]) -> str:
+    """A finished run: args.json, and metrics.jsonl with the base model and one eval."""
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump({"seed": seed, "rewards": "position,background"}, f)
+    base = {"epoch": 0, **{f"eval/{n}": 0.0 for n in NAMES}, **{f"ideal/{n}": 1.0 for n in NAMES}}
+    last = {"epoch": 1, "W": [[0.25, 0.25], [0.25, 0.25]], "time/update": 1.0}
+    last.update({f"eval/{n}": v for n, v in final.items()})
+    last.update({f"gap/{n}": v for n, v in final.items()})
+    last["gap/weighted"] = (final["position"] + final["background"]) / 2
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in (base, last))
+    return str(path)
+
+
+def test_worst_seed_and_improvement_counts(tmp_path, capsys):
+    runs = [
+        fake_run(tmp_path / "a", 0, {"position": 0.5, "background": 0.10, "iou": 0.2}),
+        fake_run(tmp_path / "b", 1, {"position": 0.4, "background": 0.05, "iou": 0.3}),
+        fake_run(tmp_path / "c", 7, {"position": 0.6, "background": -0.01, "iou": 0.1}),
+    ]
+    summarize.main(runs)
+    out = capsys.readouterr().out
+    assert "| position | +0.000 | +0.500 ± 0.100 | +0.500 ± 0.100 | +0.400 (seed 1) |" in out
+    assert "| background | +0.000 |" in out and "| -0.010 (seed 7) |" in out
+    assert "| **λ-weighted** | | | **+0.273 ± 0.042** | +0.225 (seed 1) | |" in out
+    assert "  position improves in 3 of 3 runs\n" in out
+    assert "  background improves in 2 of 3 runs (not in seed 7)" in out
+    assert "  iou improves in 3 of 3 runs\n" in out
+    assert "| seed | position | background | iou | λ-weighted |" in out  # every run, by seed
+    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 7 |"))]
+    assert rows == ["| 0 | +0.500 | +0.100 | +0.200 | +0.300 |",
+                    "| 1 | +0.400 | +0.050 | +0.300 | +0.225 |",
+                    "| 7 | +0.600 | -0.010 | +0.100 | +0.295 |"]  # fmt: skip

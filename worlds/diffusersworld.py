@@ -1,0 +1,295 @@
+"""The diffusers world that `recast.py --model PATH_OR_ID` trains: the same loop as the toy world,
+on a diffusers text-to-image pipeline, with a small part per model family.
+
+This file holds what every family shares: prompts, the two LoRA adapters (peft) on the
+transformer, "default" the trained policy θ and "old" the sampling policy θ_old (an EMA of θ,
+DESIGN §6), the frozen reference (the transformer with its adapters disabled), chunked text
+encoding and VAE decoding, and the EMA. VAE and text encoders are frozen. On CUDA the frozen
+weights are bf16 and every forward runs under bf16 autocast, while the adapters and the VAE decode
+stay fp32; on CPU everything is fp32. Sampling is CFG-free Euler on the schedule of the pipeline's
+own scheduler, and noising is x_t = (1 - t)·x0 + t·ε, both in the family's own latent layout
+(packing 2×2 patches only reorders values, so the NFT loss is the same).
+
+A family part (sd3world.py, fluxworld.py, flux2world.py, qwenimageworld.py; families.py picks one
+from model_index.json) is a module that says how its family differs, and nothing else:
+    PIPELINE, NAME            the diffusers pipeline class it serves, and a name for messages
+    LORA_TARGETS              the transformer's modules that take adapters (peft name suffixes)
+    ENCODE_CHUNK, DECODE_CHUNK  prompts per text-encoder forward, latents per VAE decode
+    check(configs, args)      flags the family needs or refuses (BadInput), from the configs
+    latent_shape(pipe, resolution)  one image's latents in the layout the transformer reads
+    encode(pipe, prompts, device)   a tuple of (B, ...) tensors: the condition of each prompt
+    schedule(pipe, steps, latent_shape)  t_0 = 1 > ... > t_T = 0, from diffusers' scheduler
+    inputs(pipe, x, cond, t, args)  the transformer's keyword arguments (its time convention)
+    decode(pipe, z)           latents (B, *latent_shape) fp32 → images (B, 3, H, W) in [-1, 1]
+    advice(configs)           notes on defaults that suit the family, printed at load
+docs/models.md lists what each family holds and how to add one.
+"""
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+
+import rewards
+from worlds import hub
+
+EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
+SCORED_GROUPS = 4  # the fewest prompt groups an epoch whose W stayed within the noise floor of a
+# change of seed, in the toy world's scoring study (docs/results.md); 2 groups did not
+
+
+def scoring_defaults(prompts: int) -> dict:
+    """recast.py's defaults for scoring the step predictions of a diffusers model, where that is
+    most of an epoch's cost (docs/sd35.md): SCORED_GROUPS prompt groups an epoch, under bf16."""
+    return {"gain_frac": min(1.0, SCORED_GROUPS / prompts), "score_precision": "bf16"}
+
+
+def read_prompts(path: str) -> list[str]:
+    """The non-blank lines of a text file, stripped."""
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def split_prompts(prompts_file: str, eval_prompts_file: str = "") -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts): the two files, or the prompts file's last 10%."""
+    prompts = read_prompts(prompts_file)
+    if eval_prompts_file:
+        return prompts, read_prompts(eval_prompts_file)
+    n_eval = max(1, round(EVAL_SHARE * len(prompts)))
+    return prompts[:-n_eval], prompts[-n_eval:]
+
+
+class BadInput(ValueError):
+    """A flag a diffusers run cannot use: `flag` names it, the message says the fix."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag
+
+
+def check(args, names: list[str], judges: list[str] = ()) -> None:
+    """The flags every diffusers run needs (`args`: recast.py's flags; `names`, `judges`: the
+    reward and judge names), checked before anything is loaded; a BadInput naming the flag."""
+    for flag, given in (("--rewards", names), ("--judges", judges)):
+        toy = [n for n in given if n in rewards.TOY]
+        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
+        if toy:
+            raise BadInput(
+                flag,
+                f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
+                f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(real)})",
+            )
+    if not args.prompts_file:
+        raise BadInput(
+            "--prompts-file", f"--model {args.model} needs training prompts, one per line"
+        )
+    files = {"--prompts-file": args.prompts_file, "--eval-prompts-file": args.eval_prompts_file}
+    for flag, path in files.items():
+        if path and not os.path.isfile(path):
+            raise BadInput(flag, f"{path} is not a file")
+        if path and not read_prompts(path):
+            raise BadInput(flag, f"{path} holds no prompts (one per line, blank lines skipped)")
+    train, _ = split_prompts(args.prompts_file, args.eval_prompts_file)
+    if not train:
+        raise BadInput(
+            "--prompts-file", "needs ≥ 2 prompts when the held-out ones come from it too"
+        )
+
+
+def packed_latent_shape(pipe, resolution: int) -> tuple[int, ...]:
+    """(tokens, channels): 2×2 patches of the VAE's latents, as FLUX.1 and Qwen-Image pack them."""
+    side = resolution // pipe.vae_scale_factor
+    return ((side // 2) ** 2, pipe.transformer.config.in_channels)
+
+
+def token_shifted_sigmas(pipe, steps: int, tokens: int, calculate_shift) -> torch.Tensor:
+    """σ = linspace(1, 1/T, T) shifted by the μ that the pipeline module's own `calculate_shift`
+    gives for this many image tokens (FLUX.1, Qwen-Image), through its scheduler."""
+    c = pipe.scheduler.config
+    mu = calculate_shift(tokens, c.get("base_image_seq_len", 256),
+                         c.get("max_image_seq_len", 4096), c.get("base_shift", 0.5),
+                         c.get("max_shift", 1.15))  # fmt: skip
+    pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    return pipe.scheduler.sigmas
+
+
+def read_configs(source: str) -> dict:
+    """{"pipeline": model_index.json, and each of "transformer", "vae", "scheduler": its
+    config}, read without loading a weight."""
+    import diffusers
+
+    configs = {"pipeline": diffusers.DiffusionPipeline.load_config(source)}
+    for name in ("transformer", "vae", "scheduler"):
+        cls = getattr(diffusers, configs["pipeline"][name][1])  # e.g. ["diffusers", "…Model"]
+        configs[name] = cls.load_config(source, subfolder=name)
+    return configs
+
+
+def check_resolution(args, step: int, family: str) -> None:
+    """--resolution must be a multiple of `step` pixels: the VAE's downsampling × the
+    transformer's patch side (the 2×2 patches it packs)."""
+    if args.resolution < step or args.resolution % step:
+        near = max(step, round(args.resolution / step) * step)
+        raise BadInput("--resolution", f"{args.resolution} px is not a multiple of {family}'s "
+                       f"latent patch, {step} px (VAE × patch side): use e.g. {near}")  # fmt: skip
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the batch, zero-padding dim 1 (tokens) to the longest first: a family
+    whose prompts take varying lengths (with a mask) comes in chunks of different lengths."""
+    if parts[0].dim() < 2 or len({p.shape[1] for p in parts}) == 1:
+        return torch.cat(parts)
+    longest = max(p.shape[1] for p in parts)
+    pads = [(0, 0) * (p.dim() - 2) + (0, longest - p.shape[1]) for p in parts]
+    return torch.cat([torch.nn.functional.pad(p, pad) for p, pad in zip(parts, pads, strict=True)])
+
+
+class DiffusersWorld:
+    """What recast.py needs of a world (toyworld.ToyWorld has the same shape), for a diffusers
+    pipeline of the family `family` (a family module, see above)."""
+
+    reward_names = rewards.PRESETS["paper1"]
+    judge_names = ()  # held-out judges are reward models too: none is scored by default
+
+    def __init__(self, args, device: torch.device, family, pipe=None):
+        """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
+        lora_rank, lora_alpha, grad_checkpointing, guidance are read). `pipe`: the family's
+        pipeline already built (benchmarks/memory_plan.py builds one on the meta device), used
+        instead of loading --model."""
+        import diffusers
+        from peft import LoraConfig
+
+        self.device, self.family, self.args = device, family, args
+        self.train_prompts, self.eval_prompts = split_prompts(
+            args.prompts_file, args.eval_prompts_file
+        )
+        if pipe is None:
+            source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
+            configs = read_configs(source)
+            family.check(configs, args)  # before a weight is loaded
+            # components saved as null (e.g. T5 left out) must be passed as None explicitly
+            absent = {k: None for k, v in configs["pipeline"].items() if v == [None, None]}
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            pipeline = getattr(diffusers, family.PIPELINE)
+            pipe = pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
+        else:
+            configs = {"pipeline": dict(pipe.config)}
+            configs.update({n: dict(getattr(pipe, n).config) for n in ("transformer", "vae",
+                                                                       "scheduler")})  # fmt: skip
+            family.check(configs, args)
+        pipe.set_progress_bar_config(disable=True)
+        pipe.vae.to(device, torch.float32).requires_grad_(False).eval()
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            encoder = getattr(pipe, name, None)
+            if encoder is not None:  # T5 may have been left out
+                encoder.to(device).requires_grad_(False).eval()
+        self.pipe = pipe
+        for note in family.advice(configs):
+            print(f"note: {family.NAME}: {note}")
+
+        transformer = pipe.transformer.requires_grad_(False)
+        self.latent_shape = family.latent_shape(pipe, args.resolution)
+        # Adapters drawn from --seed alone, on any rank and whatever drew from the RNG before (DDP
+        # would also copy rank 0's at wrap time): lora_A random, lora_B zero, so θ = θ_old = base.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            for name in ("default", "old"):
+                config = LoraConfig(
+                    r=args.lora_rank,
+                    lora_alpha=args.lora_alpha,
+                    init_lora_weights="gaussian",
+                    target_modules=family.LORA_TARGETS,
+                )
+                transformer.add_adapter(config, adapter_name=name)
+        transformer.set_adapter("default")  # trainable: only "default" requires grad
+        params = dict(transformer.named_parameters())
+        self.lora = {k: p for k, p in params.items() if ".default." in k or ".old." in k}
+        for p in self.lora.values():  # adapters and their EMA in fp32 (peft makes them bf16 here)
+            p.data = p.data.float()
+        self._pairs = [  # (θ_old, θ) tensor by tensor
+            (params[k.replace(".default.", ".old.")], p)
+            for k, p in params.items()
+            if ".default." in k
+        ]
+        with torch.no_grad():
+            for p_old, p in self._pairs:
+                p_old.copy_(p)  # θ_old = θ
+        if args.grad_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.transformer = self.trainable = self.policy = transformer.to(device)
+
+    def sigmas(self, steps: int) -> torch.Tensor:
+        """t_0 = 1 > … > t_T = 0: the family's schedule, from the pipeline's scheduler (§1)."""
+        return self.family.schedule(self.pipe, steps, self.latent_shape).float().to(self.device)
+
+    def _autocast(self):
+        return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+        """The condition of each prompt, a tuple of (B, ...) tensors (the family's), from the
+        frozen text encoders, ENCODE_CHUNK prompts per forward."""
+        chunks = []
+        for s in range(0, len(prompts), self.family.ENCODE_CHUNK):
+            with self._autocast():
+                chunk = prompts[s : s + self.family.ENCODE_CHUNK]
+                chunks.append(self.family.encode(self.pipe, chunk, self.device))
+        return tuple(_cat(list(parts)) for parts in zip(*chunks, strict=True))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, *latent_shape) → images (B, 3, H, W) in [-1, 1], DECODE_CHUNK at a time."""
+        images = [
+            self.family.decode(self.pipe, z.float())
+            for z in latents.split(self.family.DECODE_CHUNK)
+        ]
+        return torch.cat(images).clamp(-1, 1)
+
+    def ideal(self, prompts: list[str]) -> None:
+        return None  # no ideal rendering of a free-form prompt
+
+    @contextlib.contextmanager
+    def _adapters(self, which: str):
+        """The adapter a forward pass uses. peft's set_adapter also sets requires_grad (on for
+        the active adapter, off for the others), so this is for no-grad passes of "old" and "ref",
+        and "default" is trainable again on the way out."""
+        if which == "old":
+            self.transformer.set_adapter("old")
+        elif which == "ref":
+            self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            if which == "old":
+                self.transformer.set_adapter("default")
+            elif which == "ref":
+                self.transformer.enable_adapters()
+
+    def v(self, which: str, x: torch.Tensor, cond, t: torch.Tensor) -> torch.Tensor:
+        """Velocity (fp32) of the trained ("policy"), old ("old") or reference ("ref") model."""
+        if which not in ("policy", "old", "ref"):
+            raise ValueError(f"unknown model {which!r}: policy, old or ref")
+        model = self.policy if which == "policy" else self.transformer
+        inputs = self.family.inputs(self.pipe, x, cond, t, self.args)
+        with self._adapters(which), self._autocast():
+            v = model(**inputs, return_dict=False)[0]
+        return v.float()
+
+    @torch.no_grad()
+    def update_old(self, decay: float) -> None:
+        """θ_old ← d·θ_old + (1 - d)·θ on the adapters (DESIGN §6)."""
+        for p_old, p in self._pairs:
+            p_old.lerp_(p, 1 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The two adapters, under peft's parameter names (".default." and ".old.")."""
+        return {k: p.detach() for k, p in self.lora.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.lora):
+            differ = sorted(set(state) ^ set(self.lora))
+            raise KeyError(f"checkpoint and adapters differ in {len(differ)} tensors: {differ[:3]}")
+        with torch.no_grad():
+            for k, p in self.lora.items():
+                p.copy_(state[k])

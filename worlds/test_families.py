@@ -1,0 +1,284 @@
+"""Tests of the diffusers world's family parts, each on a tiny random pipeline of its family built
+locally by modelzoo (generated tokenizers; nothing is downloaded):
+- the velocity of the world equals the diffusers pipeline's own transformer call on the same
+  latents, prompt and σ (which pins each family's time convention, packing and guidance), its
+  schedule equals the pipeline's, and its decode equals the pipeline's decode;
+- the velocity does not depend on the batch it is computed in;
+- bad input (a pipeline class that is not supported, a flag a family needs, a resolution that
+  is not a multiple of the family's latent patch) exits 2 naming the flag;
+- whole runs per family: two epochs with --resume, and --profile; under torchrun (slow).
+To test a new family, add its variants to VARIANTS (and PIPELINE_CALL when its pipeline needs
+arguments to sample CFG-free).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import modelzoo
+from worlds import families
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+PROMPTS = [f"a {c} {t}" for c in ("red", "green", "blue", "gold") for t in ("cat", "boat", "tree")]
+# variant: (its family part, the recast.py flags it needs); modelzoo.tiny_family builds each
+PART = {"sd3": "sd3world", "flux-dev": "fluxworld", "flux-schnell": "fluxworld",
+        "qwen-image": "qwenimageworld", "flux2-klein": "flux2world"}  # fmt: skip
+VARIANTS = {v: (PART[v], flags) for v, flags in modelzoo.TINY_FAMILIES.items()}
+# what each pipeline's __call__ needs to sample CFG-free, as the world does
+PIPELINE_CALL = {"sd3": {"guidance_scale": 1.0}, "flux-dev": {"guidance_scale": 3.5},
+                 "flux-schnell": {}, "qwen-image": {},
+                 "flux2-klein": {"guidance_scale": 1.0}}  # fmt: skip
+PARTS = {p.__name__: p for p in families.PARTS.values()}
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """{variant: folder of its tiny pipeline}, built on first use."""
+    built = {}
+
+    def get(variant: str) -> str:
+        if variant not in built:
+            torch.manual_seed(0)
+            built[variant] = modelzoo.tiny_family(variant, tmp_path_factory.mktemp(variant))
+        return built[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def reward_env(tmp_path_factory):
+    torch.manual_seed(1)
+    return modelzoo.tiny_reward_models(tmp_path_factory.mktemp("rewards"))
+
+
+def world_of(variant, folder, prompts_file):
+    import recast
+
+    flags = VARIANTS[variant][1]
+    guidance = float(flags[flags.index("--guidance") + 1]) if "--guidance" in flags else 0.0
+    args = recast.Args(model=folder, prompts_file=prompts_file, resolution=32, lora_rank=4,
+                       lora_alpha=8, guidance=guidance)  # fmt: skip
+    return families.load(args, torch.device("cpu")), args
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_velocity_schedule_and_decode_match_the_pipeline(variant, tiny_dirs, prompts_file):
+    """The diffusers pipeline samples 3 steps from its own noise; at each step its transformer's
+    input and output are recorded. The world's reference velocity on the recorded latents, the
+    world's encoding of the same prompt and the world's σ_i equals the recorded output (fp32),
+    the world's σ equal the scheduler's, and the world decodes the final latents to the
+    pipeline's image."""
+    import diffusers
+
+    folder = tiny_dirs(variant)
+    world, _ = world_of(variant, folder, prompts_file)
+    pipe_cls = getattr(diffusers, world.family.PIPELINE)
+    absent = {k: None for k, v in pipe_cls.load_config(folder).items() if v == [None, None]}
+    pipe = pipe_cls.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+    pipe.set_progress_bar_config(disable=True)
+    calls, finals = [], []
+    hook = pipe.transformer.register_forward_hook(
+        lambda m, a, kw, out: calls.append((kw["hidden_states"].clone(), out[0].clone())),
+        with_kwargs=True,
+    )
+    prompt = PROMPTS[4]
+    image = pipe(prompt=prompt, num_inference_steps=3, height=32, width=32, output_type="pt",
+                 generator=torch.Generator().manual_seed(0), **PIPELINE_CALL[variant],
+                 callback_on_step_end=lambda p, i, t, kw: finals.append(kw["latents"]) or kw,
+                 ).images  # fmt: skip
+    hook.remove()
+    sigmas = world.sigmas(3)
+    assert torch.allclose(sigmas, pipe.scheduler.sigmas.float(), atol=1e-6)
+    assert len(calls) == 3 and calls[0][0].shape[1:] == world.latent_shape
+    cond = world.encode([prompt])
+    for i, (x, expected) in enumerate(calls):
+        v = world.v("ref", x, cond, sigmas[i].expand(1))
+        assert v.abs().max() > 1e-3  # a velocity that could differ
+        assert torch.allclose(v, expected, atol=1e-5, rtol=1e-4), (i, (v - expected).abs().max())
+    decoded = world.decode(finals[-1])
+    assert torch.allclose((decoded + 1) / 2, image.float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_velocity_does_not_depend_on_the_batch(variant, tiny_dirs, prompts_file):
+    world, _ = world_of(variant, tiny_dirs(variant), prompts_file)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, *world.latent_shape, generator=gen)
+    t = torch.tensor([0.9, 0.6, 0.3, 0.1])
+    cond = world.encode(PROMPTS[:4])
+    with torch.no_grad():
+        for k, p in world.lora.items():  # lora_B ≠ 0: adapters that act ("policy" ≠ the base)
+            if "lora_B" in k:
+                p.normal_(0, 0.1, generator=gen)
+        together = world.v("policy", x, cond, t)
+        alone = torch.cat([world.v("policy", x[n : n + 1], tuple(c[n : n + 1] for c in cond),
+                                   t[n : n + 1]) for n in range(4)])  # fmt: skip
+        assert not torch.allclose(together, world.v("ref", x, cond, t), atol=1e-3)
+    assert torch.allclose(together, alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_lora_target_names_a_module(variant, tiny_dirs, prompts_file):
+    world, _ = world_of(variant, tiny_dirs(variant), prompts_file)
+    adapted = {k.split(".lora_")[0] for k in world.lora}
+    for target in world.family.LORA_TARGETS:
+        assert any(name.endswith(target) for name in adapted), target
+
+
+def recast_exit(capsys, *flags) -> str:
+    import recast
+
+    with pytest.raises(SystemExit) as e:
+        recast.main(list(flags))
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_input_exits_2_naming_the_flag(tiny_dirs, prompts_file, reward_env, tmp_path, capsys,
+                                           monkeypatch):  # fmt: skip
+    for k, v in reward_env.items():
+        monkeypatch.setenv(k, v)
+    out = str(tmp_path / "run")
+    base = ["--rewards", "pickscore", "--lambda", "1", "--prompts-file", prompts_file,
+            "--resolution", "32", "--device", "cpu", "--out", out, "--epochs", "0",
+            "--prompts", "2", "--group-size", "2", "--eval-seeds", "1"]  # fmt: skip
+    other = tmp_path / "sdxl"
+    other.mkdir()
+    (other / "model_index.json").write_text(
+        json.dumps({"_class_name": "StableDiffusionXLPipeline"})
+    )
+    err = recast_exit(capsys, *base, "--model", str(other))
+    assert "error: --model" in err and "StableDiffusionXLPipeline" in err
+    assert all(name in err for name in families.PARTS)
+    err = recast_exit(capsys, *base, "--model", tiny_dirs("flux-dev"))
+    assert "error: --guidance" in err and "--guidance 3.5" in err
+    err = recast_exit(capsys, *base, "--model", tiny_dirs("flux-schnell"), "--guidance", "3.5")
+    assert "error: --guidance" in err
+    for variant in VARIANTS:
+        flags = [*base, "--model", tiny_dirs(variant), *VARIANTS[variant][1]]
+        err = recast_exit(capsys, *flags, "--resolution", "34")
+        assert "error: --resolution" in err and "e.g. 32" in err, variant
+    assert not os.path.exists(out)
+
+
+def run(*command, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
+
+
+RUN = ["--rewards", "pickscore,aesthetic", "--lambda", "0.6,0.4", "--prompts", "2",
+       "--group-size", "2", "--steps", "3", "--batch-size", "4", "--eval-seeds", "1",
+       "--resolution", "32", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2",
+       "--device", "cpu"]  # fmt: skip
+
+
+def metrics_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sd3"])
+def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, reward_env,
+                                            tmp_path):  # fmt: skip
+    """One epoch, then --resume to two: the same metrics as two epochs without a stop, the
+    adapters train, W has λ's rows and 1/T's columns; --profile writes its profile (SD3's runs
+    are test_recast.py's)."""
+    script, out = os.path.join(HERE, "recast.py"), tmp_path / "run"
+    flags = ["--model", tiny_dirs(variant), *VARIANTS[variant][1], "--prompts-file", prompts_file,
+             *RUN]  # fmt: skip
+    run(sys.executable, script, *flags, "--epochs", "1", "--out", str(out), env=reward_env)
+    run(sys.executable, script, *flags, "--epochs", "2", "--resume", "--out", str(out),
+        env=reward_env)  # fmt: skip
+    lines = metrics_of(out)
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
+    whole = tmp_path / "whole"  # the same two epochs without a stop: the same numbers
+    run(sys.executable, script, *flags, "--epochs", "2", "--out", str(whole), env=reward_env)
+    for a, b in zip(lines, metrics_of(whole), strict=True):  # epoch 1 was the first run's last,
+        assert {k: v for k, v in a.items() if k in b and not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }  # so it was evaluated there too
+    for m in lines[1:]:
+        W = torch.tensor(m["W"], dtype=torch.float64)
+        assert torch.allclose(W.sum(1), torch.tensor([0.6, 0.4], dtype=torch.float64), atol=1e-5)
+        assert torch.allclose(W.sum(0), torch.full((3,), 1 / 3, dtype=torch.float64), atol=1e-5)
+        assert all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "reward/pickscore"))
+    from safetensors.torch import load_file
+
+    state = load_file(out / "ckpt" / "epoch_0002" / "model.safetensors")
+    B = [v for k, v in state.items() if ".default." in k and "lora_B" in k]
+    assert B and sum(int(b.abs().max() > 0) for b in B) > len(B) // 2  # trained
+    profile = tmp_path / "profile"
+    said = run(sys.executable, script, *flags, "--profile", "--out", str(profile),
+               env=reward_env).stdout  # fmt: skip
+    assert "wrote" in said
+    p = json.loads((profile / "profile.json").read_text())
+    assert p["names"] == ["pickscore", "aesthetic"] and p["images_scored"] == 4
+
+
+@pytest.mark.slow
+def test_torchrun_trains_flux_dev_in_step(tiny_dirs, prompts_file, reward_env, tmp_path):
+    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it)."""
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("a purple cat\na purple boat\n")
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs("flux-dev"),
+        "--guidance", "3.5", "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
+        *RUN, "--epochs", "2", "--out", str(out), env=reward_env)  # fmt: skip
+    lines = metrics_of(out)
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
+    assert all(len(m["dist/sha256"]) == 64 for m in lines[1:])
+    assert lines[1]["dist/sha256"] != lines[2]["dist/sha256"]
+
+
+def test_family_parts_are_leaves():
+    """The generic world, the registry and every family part import neither the loop nor its
+    plumbing, and never end the process (no sys.exit or exit: a BadInput names the flag)."""
+    import ast
+
+    from worlds import diffusersworld
+
+    for module in [diffusersworld, families, *families.PARTS.values()]:
+        name, tree = module.__name__, ast.parse(Path(module.__file__).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m == "recast" or m.startswith("plumbing")}, name
+        calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert not calls & {"sys.exit", "exit", "quit", "os._exit"}, name
+    assert set(families.PARTS) == {"StableDiffusion3Pipeline", "FluxPipeline",
+                                   "Flux2KleinPipeline", "QwenImagePipeline"}  # fmt: skip
+
+
+def test_real_size_configs_give_the_published_sizes():
+    """benchmarks/configs at real size (meta device): the parameter counts the model cards give
+    (FLUX.1 12 B, FLUX.2-klein 4 B with Qwen3-4B, Qwen-Image 20 B with Qwen2.5-VL-7B's 8.3 B), and
+    a forward at 1024 px costs 3-5× one at 512 px (4× the image tokens, the text tokens stay, and
+    attention grows faster than the tokens)."""
+    from benchmarks import scale_check as sc
+
+    c = modelzoo.load_configs()
+    published = {
+        "FLUX.1-dev": (11.9, 4.9),
+        "FLUX.2-klein 4B": (3.9, 4.0),
+        "Qwen-Image": (20.4, 8.3),
+    }
+    cf = {"clip_h_image": 1.0}  # the reward models' FLOPs are SD3.5's; not needed here
+    for family, (transformer, text) in published.items():
+        p = sc.family_params(c, family)
+        assert p["transformer"] == pytest.approx(transformer, abs=0.05), family
+        assert p["text"] == pytest.approx(text, abs=0.05), family
+        f = sc.family_flops(c, cf, family, (512, 1024))
+        assert 3 < f["transformer_fwd@1024"] / f["transformer_fwd@512"] < 5, family
+        assert 1 < f["transformer_bwd@512"] / f["transformer_fwd@512"] < 1.5, family
+        assert f["vae_decode@1024"] > f["vae_decode@512"] > 0 and f["text"] > 0, family
