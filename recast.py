@@ -25,40 +25,19 @@ Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion R
 
 import math
 import os
+import sys
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
-
-import rewards
-from kernels.nft_loss import nft_loss
-from kernels.renyi import (
-    gain_profiles,
-    group_optimality,
-    joint_optimality,
-    recast_weights,
-    renyi_gains,
-)
-from plumbing import (
-    checkpoints,
-    cli,
-    distributed,
-    eval_images,
-    plots,
-    reward_profile,
-    rundir,
-    tblog,
-)
-from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks
-from plumbing.plots import timestep_centroid
-from plumbing.seeding import epoch_generator
-from worlds import hub, toyworld
+from plumbing import cli
 
 
+# ---------------------------------------------------------------------------------------------
+# Config: every flag with its default (--help prints them)
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class Args:
     # a flag's value in runs made before the flag existed (their args.json lacks it)
@@ -66,7 +45,7 @@ class Args:
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
-    rewards: str = ",".join(toyworld.ToyWorld.reward_names)
+    rewards: str = "position,color,sharpness,background"
     """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
     model: str = "toy"
     """'toy' (the tiny model shipped in worlds/toy_model/) or a diffusers pipeline's folder or hub
@@ -90,13 +69,13 @@ class Args:
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
-    """temperature of the Sinkhorn kernel M = λ·p^(1/τ); large τ tends to W = λ/T (toy world: 1 and
-    0.5 beat uniform weighting, 0.25 did not; docs/results.md)"""
+    """temperature of the Sinkhorn kernel M = λ·p^(1/τ); large τ tends to W = λ/T (the comparison
+    of τ: docs/results.md)"""
     floor: float = 0.1
     """share ε_f of each reward's profile spread evenly over the steps"""
     gain_shift: int = 1
     """W column i uses the gain of step i-S (DESIGN §4, alignment): 1 credits D_i - D_i-1 to
-    timestep i (won the alignment comparison, docs/results.md), 0 credits D_i+1 - D_i; the first S
+    timestep i (the alignment comparison: docs/results.md), 0 credits D_i+1 - D_i; the first S
     columns get about the static mix λ, the last S gains are dropped (the last is ≈ 0 with an Euler
     sampler). recast/reversed only (uniform and sum run with 0)"""
     gain_ema: float = 0.8
@@ -105,8 +84,8 @@ class Args:
     """epochs between gain updates; step predictions are only scored then"""
     gain_frac: float = 1.0
     """fraction of prompt groups whose step predictions are scored for the gains (toy world: all;
-    with a diffusers --model the default scores 4 groups an epoch, min(1, 4/--prompts): the scoring
-    study, docs/results.md)"""
+    with a diffusers --model the default scores 4 groups an epoch, min(1, 4/--prompts);
+    docs/results.md)"""
     score_precision: str = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
     bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32 (with
@@ -133,8 +112,8 @@ class Args:
     train_frac: float = 0.5
     """fraction of the epoch's (image, timestep) pairs trained on, drawn at random each epoch"""
     kl_coef: float = 1.0
-    """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model (1: chosen on uniform
-    weighting in the toy world, docs/recipe.md; DiffusionNFT uses 1e-4 with LoRA on SD3.5)"""
+    """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model (docs/recipe.md;
+    DiffusionNFT's SD3.5 LoRA setting is 1e-4)"""
     adv_clip_max: float = 5.0
     """advantage clip A_max of the optimality map r = 1/2 + A/(2 A_max)"""
     grad_clip: float = 1.0
@@ -185,6 +164,244 @@ TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac
                  "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
                  "eval_seeds", "ckpt_every", "log", "lora_rank", "lora_alpha",
                  "grad_checkpointing"]  # fmt: skip
+CHOICES = {  # flags with a fixed set of values
+    "weighting": ["recast", "uniform", "sum", "reversed"],
+    "normalize": ["per-reward", "joint"],
+    "log": ["none", "tensorboard"],
+    "score_precision": ["fp32", "bf16"],
+}
+
+# --help answers here, before torch and the models' libraries load (seconds)
+if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    cli.parse(Args, sys.argv[1:], __doc__, CHOICES)
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import rewards
+from kernels.nft_loss import nft_loss
+from kernels.renyi import (
+    gain_profiles,
+    group_optimality,
+    joint_optimality,
+    recast_weights,
+    renyi_gains,
+)
+from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
+from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks
+from plumbing.plots import timestep_centroid
+from plumbing.seeding import epoch_generator
+from worlds import hub, toyworld
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up: the world, the run, and every check before anything is written
+# ---------------------------------------------------------------------------------------------
+class World(Protocol):
+    """What a world gives the loop (worlds/toyworld.py's ToyWorld, worlds/diffusersworld.py's
+    DiffusersWorld): prompts, the latent layout, the sampler's schedule, the text encoder, the
+    velocities of the trained, old and reference policies, the decoder to images, the old
+    policy's EMA and the weights a checkpoint keeps."""
+
+    device: torch.device
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    latent_shape: tuple[int, ...]  # one image's latent: (C, H, W), or (tokens, channels)
+    judge_names: list[str]  # held-out judges when --judges is not given
+    trainable: torch.nn.Module  # what the optimizer trains (the LoRA adapters, or the toy model)
+    policy: torch.nn.Module  # the trainable, wrapped in DDP under torchrun
+
+    def sigmas(self, steps: int) -> torch.Tensor: ...  # (T+1,): 1 = noise > … > 0 = image
+
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, ...]: ...  # per prompt
+
+    def v(self, which: str, x: torch.Tensor, cond, t: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor: ...  # (N, 3, H, W) images in [0, 1]
+
+    def ideal(self, prompts: list[str]) -> torch.Tensor | None: ...  # None: no ideal rendering
+
+    def update_old(self, decay: float) -> None: ...  # θ_old ← d·θ_old + (1-d)·θ
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
+@dataclass
+class Run:
+    args: Args
+    names: list[str]  # reward names, in --lambda order
+    lam: torch.Tensor  # (K,) float64, sums to 1
+    rank: int
+    world_size: int
+    world: World
+    reward_fns: dict  # the trained rewards
+    scorers: dict  # the trained rewards and the held-out judges
+    sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
+    params: list
+    optimizer: torch.optim.Optimizer
+    tensorboard: tblog.TensorBoard | None = None  # rank 0 with --log tensorboard
+    # A benchmark's hook, entered around each phase and step of the loop by name (rollout, score,
+    # recast, steps, weights, update, loss, backward, eval, save): benchmarks/scale_check.py times
+    # them through it. By default it does nothing.
+    observe: Callable[[str], AbstractContextManager] = nullcontext
+
+    def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
+        if self.rank == 0:
+            print(*a, **k)
+
+    @contextmanager
+    def phase(self, metrics: dict, name: str):
+        """A phase of the loop: its time (and GPU memory) into metrics, inside the hook."""
+        with self.observe(name), timed(metrics, name):
+            yield
+
+    @property
+    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
+        return dict(leave=False, disable=self.rank > 0)
+
+
+@contextmanager
+def timed(metrics: dict, name: str):
+    """time/<name>: the phase's seconds. Once CUDA is in use, the GPU is synchronised at both ends
+    (so the phase is charged its own kernels) and mem/<name> is its peak allocated GiB
+    (torch.cuda.max_memory_allocated, reset when the phase starts)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tic = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize()
+        metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
+    metrics[f"time/{name}"] = time.perf_counter() - tic
+
+
+def is_toy_model(path: str) -> bool:
+    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    return has("config.json") and not has("model_index.json")
+
+
+def is_diffusers(model: str) -> bool:
+    """--model names a diffusers pipeline (a folder or a hub id), not a toy-world model."""
+    return model != "toy" and not is_toy_model(model)
+
+
+def load_world(args: Args, device: torch.device):
+    """The world: models, prompts, latent shape, sampler schedule (worlds/toyworld.py, or
+    worlds/diffusersworld.py with the family part that worlds/families.py picks)."""
+    if not is_diffusers(args.model):
+        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
+    from worlds import diffusersworld, families
+
+    try:
+        return families.load(args, device)
+    except diffusersworld.BadInput as e:
+        cli.fail(e.flag, str(e))
+    except (OSError, ValueError) as e:
+        cli.fail("--model", f"could not load {args.model!r}: {e}")
+
+
+def expand_names(flag: str, text: str, known: list[str], allow_none: bool = False) -> list[str]:
+    """--rewards / --judges → reward names (presets expanded); an unknown one exits 2."""
+    names = rewards.expand(text)
+    if (not names and not allow_none) or any(n not in known for n in names):
+        bad = ", ".join(n for n in names if n not in known) or "(none)"
+        cli.fail(flag, f"unknown reward {bad}; choose from {', '.join([*known, *rewards.PRESETS])}")
+    return names
+
+
+def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
+    """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
+    on a new run that scores them, for the flags not given; the toy world scores every group in
+    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set."""
+    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
+        return {}
+    from worlds import diffusersworld
+
+    values = diffusersworld.scoring_defaults(args.prompts)
+    if args.profile:
+        values.pop("gain_frac")
+    return cli.fill_defaults(args, argv, values)
+
+
+def setup(argv: list[str] | None) -> "Run":
+    """Flags, processes, world, rewards, optimizer: every check before anything is written (bad
+    input exits 2)."""
+    args = cli.parse(Args, argv, __doc__, CHOICES)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
+        cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
+                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
+    if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
+        cli.fill_defaults(args, argv, {"gain_shift": 0})
+    chosen = scoring_defaults(args, argv)
+    cli.check(args, world_size, RESUMABLE)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
+    if chosen and rank0:
+        from worlds import diffusersworld
+
+        said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
+                        f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
+        print(f"note: scoring defaults: {said} (step predictions of {diffusersworld.SCORED_GROUPS}"
+              " prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
+    ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
+    if ignored and rank0:
+        print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
+    known = [*rewards.REWARDS, *rewards.LOADERS]
+    names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
+    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
+    judges = expand_names("--judges", args.judges, [*known, *rewards.JUDGES], allow_none=True)
+    if set(judges) & set(names):
+        both = ", ".join(n for n in judges if n in names)
+        cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
+    if args.log == "tensorboard":
+        try:
+            from torch.utils import tensorboard  # noqa: F401 (import torch.… would shadow torch)
+        except ImportError:
+            cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
+    if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
+        cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
+                 "'org/name'")  # fmt: skip
+    if is_diffusers(args.model):
+        from worlds import diffusersworld
+
+        try:
+            diffusersworld.check(args, names, judges)  # --rewards, --judges, --prompts-file
+        except diffusersworld.BadInput as e:
+            cli.fail(e.flag, str(e))
+    if args.resume and not args.profile and rank0:
+        rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
+    rank, device = init_processes(args, distributed)
+    world = load_world(args, device)
+    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
+        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
+                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
+    scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
+    for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
+        try:  # a reward model missing (file, package, hub access) is bad input too
+            scorers.update({n: rewards.get(n, device) for n in group})
+        except (ImportError, OSError, ValueError) as e:
+            cli.fail(flag, f"could not load a reward model: {e}")
+    reward_fns = {n: scorers[n] for n in names}
+    if distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    args.out = args.out or os.path.join(
+        "runs",
+        time.strftime("%Y%m%d-%H%M%S")
+        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
+    )
+    sigmas = world.sigmas(args.steps)
+    return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
+               optimizer)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,6 +461,9 @@ def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
     return group_optimality(final, G, A)
 
 
+# ---------------------------------------------------------------------------------------------
+# Phase 3 — step scores, gains (DESIGN §4) and the weight matrix W (DESIGN §5)
+# ---------------------------------------------------------------------------------------------
 def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.Tensor:
     """(K, T+1, n): reward k on each step prediction x̂0_i and (column T) the final scores. The
     step-0 column is left 0, unscored: a prediction from pure noise is never read (D_k,0 := 0)."""
@@ -257,19 +477,21 @@ def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
     m = cli.scored_groups(run.args.gain_frac, run.args.prompts, run.world_size) // run.world_size
     m *= run.args.group_size  # this rank's scored images
     bf16 = run.args.score_precision == "bf16"
-    with torch.autocast(run.world.device.type, torch.bfloat16, enabled=bf16):
+    with run.observe("steps"), torch.autocast(run.world.device.type, torch.bfloat16, enabled=bf16):
         scores = trajectory_scores(run.reward_fns, run.world.decode, preds[:, :m], final[:, :m],
                                    per_image[:m])  # fmt: skip
     return gather(scores)
 
 
-# ---------------------------------------------------------------------------------------------
-# Phase 3 — gains (DESIGN §4) and the weight matrix W (DESIGN §5), both from kernels/renyi.py
-# ---------------------------------------------------------------------------------------------
 def weights(run: "Run", step_scores, gains_ema, metrics: dict):
     """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
     epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns
     (W, gains_ema)."""
+    with run.observe("weights"):
+        return _weights(run, step_scores, gains_ema, metrics)
+
+
+def _weights(run: "Run", step_scores, gains_ema, metrics: dict):
     args, K, T = run.args, len(run.names), run.args.steps
     if step_scores is not None:
         D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
@@ -287,12 +509,33 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
 # ---------------------------------------------------------------------------------------------
 # Phase 4 — the NFT update, each (image, timestep) pair with its own r̄ (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
+def pair_loss(world: World, args: Args, sigmas, x0, cond, r, W, n, i, eps, loss_fn=None,
+              observe=nullcontext):  # fmt: skip
+    """DESIGN §6 on one micro-batch of (image, timestep) pairs: images n of x0 (every rank's)
+    noised to their timesteps i with fresh ε (eps), the trained, old and reference policies'
+    velocities, and the loss with each pair's column of W. `loss_fn` is the fused kernel unless
+    given (benchmarks/memory_plan.py passes its PyTorch reference where the kernel cannot run);
+    `observe` is Run.observe, entered around the loss alone."""
+    loss_fn = loss_fn or nft_loss
+    t, eps, G = sigmas[i], eps.to(world.device), args.group_size
+    tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout: images or packed tokens
+    x_t = (1 - tt) * x0[n] + tt * eps
+    c = tuple(cc[n // G] for cc in cond)
+    v_theta = world.v("policy", x_t, c, t)
+    with torch.no_grad():
+        v_old = world.v("old", x_t, c, t)
+        v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
+    with observe("loss"):
+        return loss_fn(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
+                       args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+
+
 def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
     """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
     index, in micro-batches of --batch-size pairs, --grad-accum of them per optimizer step.
     `nft_loss` is the fused kernel; `reference_nft_loss` in kernels/nft_loss.py is the same loss
     in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
-    args, world, T, G = run.args, run.world, run.args.steps, run.args.group_size
+    args, world, T = run.args, run.world, run.args.steps
     W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
     W_train, device = W_train.to(world.device), world.device
     g_train = epoch_generator(args.seed, epoch, 2)
@@ -309,22 +552,15 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
         mine = slice(run.rank * len(batch) // run.world_size,
                      (run.rank + 1) * len(batch) // run.world_size)  # fmt: skip
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
-        t, eps = run.sigmas[i], eps[mine].to(device)
-        tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout: images or packed tokens
-        x_t = (1 - tt) * x0[n] + tt * eps
-        c = tuple(cc[n // G] for cc in cond)
-        v_theta = world.v("policy", x_t, c, t)
-        with torch.no_grad():
-            v_old = world.v("old", x_t, c, t)
-            v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-        loss = nft_loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W_train, args.beta,
-                        args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+        loss = pair_loss(world, args, run.sigmas, x0, cond, r, W_train, n, i, eps[mine],
+                         observe=run.observe)  # fmt: skip
         if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
             raise FloatingPointError(
                 f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
                 f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
             )
-        (loss * len(batch) / step_pairs).backward()  # the step's gradient: mean over its pairs
+        with run.observe("backward"):  # the step's gradient: mean over its pairs
+            (loss * len(batch) / step_pairs).backward()
         losses.append(loss.detach())
         if s + len(batch) == step_end:  # the step's last micro-batch
             torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
@@ -336,7 +572,7 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
 
 # ---------------------------------------------------------------------------------------------
 # Phase 5 — the old policy is an EMA of the trained weights (DESIGN §6): world.update_old
-# Phase 6 — eval on held-out prompts with fixed noise
+# Phase 6 — eval on held-out prompts with fixed noise, log, pictures, checkpoint
 # ---------------------------------------------------------------------------------------------
 EVAL_SEED = 20260929  # the same eval noise for every run, so runs compare on the same images
 
@@ -456,115 +692,13 @@ def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
     return " | ".join(parts)
 
 
-# ---------------------------------------------------------------------------------------------
-# The run: what every phase reads, and the loop
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Run:
-    args: Args
-    names: list[str]  # reward names, in --lambda order
-    lam: torch.Tensor  # (K,) float64, sums to 1
-    rank: int
-    world_size: int
-    world: object  # toyworld.ToyWorld or diffusersworld.DiffusersWorld
-    reward_fns: dict  # the trained rewards
-    scorers: dict  # the trained rewards and the held-out judges
-    sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
-    params: list
-    optimizer: torch.optim.Optimizer
-    tensorboard: object = None  # tblog.TensorBoard on rank 0 with --log tensorboard
-
-    def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
-        if self.rank == 0:
-            print(*a, **k)
-
-    @property
-    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
-        return dict(leave=False, disable=self.rank > 0)
-
-
-@contextmanager
-def timed(metrics: dict, name: str):
-    """time/<name>: the phase's seconds. Once CUDA is in use, the GPU is synchronised at both ends
-    (so the phase is charged its own kernels) and mem/<name> is its peak allocated GiB
-    (torch.cuda.max_memory_allocated, reset when the phase starts)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    tic = time.perf_counter()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
-        metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
-    metrics[f"time/{name}"] = time.perf_counter() - tic
-
-
-def main(argv: list[str] | None = None) -> None:
-    run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
-    if run.args.profile:  # before training: where is each reward informative?
-        return profile(run)
-    args, world, names = run.args, run.world, run.names
-    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
-    start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
-    with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1, naming this run's checkpoint
-        evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
-        if args.log == "tensorboard" and run.rank == 0:
-            run.tensorboard = tblog.TensorBoard(args.out)
-            run.tensorboard.epoch(history[0], args.out, pictures=False)
-        stop = rundir.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
-        for epoch in range(start, args.epochs + 1):
-            m = {"epoch": epoch}
-            with timed(m, "rollout"):  # 1. the old policy samples G images per prompt (DESIGN §2)
-                prompts, my_prompts, x0, preds = rollout(run, epoch)
-            with timed(m, "score"):  # 2. rewards → optimality r per reward and group (DESIGN §3)
-                per_image = [p for p in my_prompts for _ in range(args.group_size)]
-                final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
-            with timed(m, "recast"):  # 3. step scores, gains, W: ReCAST's own cost (DESIGN §4-5)
-                with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: W needs none
-                with_steps = with_steps and (epoch - 1) % args.gain_every == 0
-                step_scores = score_steps(run, preds, final, per_image) if with_steps else None
-                final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
-                r = optimality(run, final)
-                W, gains_ema = weights(run, step_scores, gains_ema, m)
-            m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
-            m["groups/constant"] = int(
-                (final.view(len(names), -1, args.group_size).std(2) == 0).sum()
-            )
-            m["W"] = W.tolist()
-            with timed(
-                m, "update"
-            ):  # 4. the NFT update, rewards mixed per timestep by W (DESIGN §6)
-                m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
-            m["decay"] = min(
-                args.decay_rate * opt_steps, args.decay_cap
-            )  # 5. old policy (DESIGN §6)
-            world.update_old(m["decay"])
-            if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
-                held = {"W": W, **world.state_dict()}
-                m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
-            last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
-            if epoch % args.eval_every == 0 or last:
-                with timed(m, "eval"):
-                    evals(epoch, m)
-            save_epoch(run, m, W, gains_ema, opt_steps, history, last)
-            if stop.signum:  # the same on every rank: they stop after the same epoch
-                run.log(f"stopped after epoch {epoch}; continue: "
-                        f"{checkpoints.resume_command(args.out)}")  # fmt: skip
-                break
-    if run.rank == 0 and not stop.signum:
-        rundir.write_summary(args, history, evals.base, names, run.log)
-    if run.tensorboard:
-        run.tensorboard.close()
-    if dist.is_initialized():
-        dist.barrier()  # until rank 0 has saved: once one rank exits, torchrun stops the others
-        dist.destroy_process_group()
-    if stop.signum:
-        stop.exit()  # 130 after SIGINT, 143 after SIGTERM
-
-
 def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
     """Refuse a non-finite metric; append metrics.jsonl, redraw W.png, checkpoint (rank 0)."""
+    with run.observe("save"):
+        _save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+
+
+def _save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
     args, epoch = run.args, m["epoch"]
     bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
@@ -633,134 +767,66 @@ def profile(run: "Run") -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Set-up: flags, processes, world and rewards — every check before anything is written
+# main: the table of contents
 # ---------------------------------------------------------------------------------------------
-def is_toy_model(path: str) -> bool:
-    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
-    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
-    return has("config.json") and not has("model_index.json")
-
-
-def is_diffusers(model: str) -> bool:
-    """--model names a diffusers pipeline (a folder or a hub id), not a toy-world model."""
-    return model != "toy" and not is_toy_model(model)
-
-
-def load_world(args: Args, device: torch.device):
-    """The world: models, prompts, latent shape, sampler schedule (worlds/toyworld.py, or
-    worlds/diffusersworld.py with the family part that worlds/families.py picks)."""
-    if not is_diffusers(args.model):
-        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    from worlds import diffusersworld, families
-
-    try:
-        return families.load(args, device)
-    except diffusersworld.BadInput as e:
-        cli.fail(e.flag, str(e))
-    except (OSError, ValueError) as e:
-        cli.fail("--model", f"could not load {args.model!r}: {e}")
-
-
-def expand_names(flag: str, text: str, known: list[str], allow_none: bool = False) -> list[str]:
-    """--rewards / --judges → reward names (presets expanded); an unknown one exits 2."""
-    names = rewards.expand(text)
-    if (not names and not allow_none) or any(n not in known for n in names):
-        bad = ", ".join(n for n in names if n not in known) or "(none)"
-        cli.fail(flag, f"unknown reward {bad}; choose from {', '.join([*known, *rewards.PRESETS])}")
-    return names
-
-
-def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
-    """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
-    on a new run that scores them, for the flags not given; the toy world scores every group in
-    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set."""
-    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
-        return {}
-    from worlds import diffusersworld
-
-    values = diffusersworld.scoring_defaults(args.prompts)
-    if args.profile:
-        values.pop("gain_frac")
-    return cli.fill_defaults(args, argv, values)
-
-
-def setup(argv: list[str] | None) -> Run:
-    choices = {
-        "weighting": ["recast", "uniform", "sum", "reversed"],
-        "log": ["none", "tensorboard"],
-        "score_precision": ["fp32", "bf16"],
-        "normalize": ["per-reward", "joint"],
-    }
-    args = cli.parse(Args, argv, __doc__, choices)
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
-    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
-        cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
-                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
-    if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
-        cli.fill_defaults(args, argv, {"gain_shift": 0})
-    chosen = scoring_defaults(args, argv)
-    cli.check(args, world_size, RESUMABLE)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
-    if chosen and rank0:
-        from worlds import diffusersworld
-
-        said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
-                        f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
-        print(f"note: scoring defaults: {said} (step predictions of {diffusersworld.SCORED_GROUPS}"
-              " prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
-    ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
-    if ignored and rank0:
-        print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
-    known = [*rewards.REWARDS, *rewards.LOADERS]
-    names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
-    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
-    judges = expand_names("--judges", args.judges, [*known, *rewards.JUDGES], allow_none=True)
-    if set(judges) & set(names):
-        both = ", ".join(n for n in judges if n in names)
-        cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
-    if args.log == "tensorboard":
-        try:
-            from torch.utils import tensorboard  # noqa: F401 (import torch.… would shadow torch)
-        except ImportError:
-            cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
-    if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
-        cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
-                 "'org/name'")  # fmt: skip
-    if is_diffusers(args.model):
-        from worlds import diffusersworld
-
-        try:
-            diffusersworld.check(args, names, judges)  # --rewards, --judges, --prompts-file
-        except diffusersworld.BadInput as e:
-            cli.fail(e.flag, str(e))
-    if args.resume and not args.profile and rank0:
-        rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
-    rank, device = init_processes(args, distributed)
-    world = load_world(args, device)
-    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
-        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
-                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
-    scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
-    for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
-        try:  # a reward model missing (file, package, hub access) is bad input too
-            scorers.update({n: rewards.get(n, device) for n in group})
-        except (ImportError, OSError, ValueError) as e:
-            cli.fail(flag, f"could not load a reward model: {e}")
-    reward_fns = {n: scorers[n] for n in names}
-    if distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
-    params = [p for p in world.trainable.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    args.out = args.out or os.path.join(
-        "runs",
-        time.strftime("%Y%m%d-%H%M%S")
-        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
-    )
-    sigmas = world.sigmas(args.steps)
-    return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
-               optimizer)  # fmt: skip
+def main(argv: list[str] | None = None, observe=nullcontext) -> None:
+    """The run of `argv`'s flags. `observe` (name → context manager) is a benchmark's hook around
+    each phase and step (Run.observe); by default it does nothing."""
+    run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
+    run.observe = observe
+    if run.args.profile:  # before training: where is each reward informative?
+        return profile(run)
+    args, world, names, G = run.args, run.world, run.names, run.args.group_size
+    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
+    start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
+    with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1 naming the checkpoint
+        evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
+        if args.log == "tensorboard" and run.rank == 0:
+            run.tensorboard = tblog.TensorBoard(args.out)
+            run.tensorboard.epoch(history[0], args.out, pictures=False)
+        stop = rundir.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
+        for epoch in range(start, args.epochs + 1):
+            m = {"epoch": epoch}
+            with run.phase(m, "rollout"):  # 1. the old policy: G images a prompt (DESIGN §2)
+                prompts, my_prompts, x0, preds = rollout(run, epoch)
+            with run.phase(m, "score"):  # 2. rewards → optimality r per reward (DESIGN §3)
+                per_image = [p for p in my_prompts for _ in range(G)]
+                final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
+            with run.phase(m, "recast"):  # 3. step scores, gains, W: ReCAST's cost (DESIGN §4-5)
+                with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: no gains
+                with_steps = with_steps and (epoch - 1) % args.gain_every == 0
+                step_scores = score_steps(run, preds, final, per_image) if with_steps else None
+                final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
+                r = optimality(run, final)
+                W, gains_ema = weights(run, step_scores, gains_ema, m)
+            m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
+            m["groups/constant"] = int((final.view(len(names), -1, G).std(2) == 0).sum())
+            m["W"] = W.tolist()
+            with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)
+                m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
+            m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (§6)
+            world.update_old(m["decay"])
+            if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
+                held = {"W": W, **world.state_dict()}
+                m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
+            last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
+            if epoch % args.eval_every == 0 or last:
+                with run.phase(m, "eval"):
+                    evals(epoch, m)
+            save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+            if stop.signum:  # the same on every rank: they stop after the same epoch
+                run.log(f"stopped after epoch {epoch}; continue: "
+                        f"{checkpoints.resume_command(args.out)}")  # fmt: skip
+                break
+    if run.rank == 0 and not stop.signum:
+        rundir.write_summary(args, history, evals.base, names, run.log)
+    if run.tensorboard:
+        run.tensorboard.close()
+    if dist.is_initialized():
+        dist.barrier()  # until rank 0 has saved: once one rank exits, torchrun stops the others
+        dist.destroy_process_group()
+    if stop.signum:
+        stop.exit()  # 130 after SIGINT, 143 after SIGTERM
 
 
 if __name__ == "__main__":  # a fault of the run (not of the code): exit 1 and one line

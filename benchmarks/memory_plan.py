@@ -438,7 +438,7 @@ def epoch(run, marks: Marks, bar) -> None:
 def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
     """One micro-batch of recast.nft_update on rank 0 (its --batch-size / world size pairs), its
     backward, gradient clipping and the optimizer step (the micro-batch that ends a step)."""
-    args, world, ws, G = run["args"], run["world"], run["ws"], run["args"].group_size
+    args, world, ws = run["args"], run["world"], run["ws"]
     device, sigmas, params, optimizer = world.device, run["sigmas"], run["params"], run["opt"]
     B = max(1, args.batch_size // ws)
     if args.grad_accum > 1:  # the step's earlier micro-batches left their gradients
@@ -448,20 +448,12 @@ def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
     cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
     n = torch.randint(N, (B,), device=device)
     i = torch.randint(len(sigmas) - 1, (B,), device=device)
-    t, eps = sigmas[i], torch.randn(B, *world.latent_shape, device=device)
-    tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout, as recast.nft_update
-    x_t = (1 - tt) * x0[n] + tt * eps
-    c = tuple(cc[n // G] for cc in cond)
-    v_theta = world.v("policy", x_t, c, t)
-    with torch.no_grad():
-        v_old = world.v("old", x_t, c, t)
-        v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-    loss_fn = run["nft_loss"]  # the fused kernel's operator on a GPU; its reference on the CPU
-    loss = loss_fn(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
-                   args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+    eps = torch.randn(B, *world.latent_shape, device=device)
+    # the loop's own micro-batch: the fused kernel's operator on a GPU, its reference on the CPU
+    loss = recast.pair_loss(world, args, sigmas, x0, cond, r, W, n, i, eps, run["nft_loss"])
     with marks.making("temporaries"):
         (loss * B / (B * args.grad_accum)).backward()
-        del loss, v_theta, v_old, v_ref, x_t, c, cond, eps, tt
+        del loss, cond, eps
         torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

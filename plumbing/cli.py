@@ -9,9 +9,10 @@ import math
 import os
 import sys
 from dataclasses import asdict, fields
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: --help must not wait for it
+    import torch
 
 
 def fail(flag: str, message: str, prog: str = "recast.py") -> NoReturn:
@@ -69,8 +70,10 @@ def parse(cls, argv: list[str] | None, description: str, choices: dict[str, list
     return cls(**vars(args))
 
 
-def parse_lambda(text: str, names: list[str]) -> torch.Tensor:
+def parse_lambda(text: str, names: list[str]) -> "torch.Tensor":
     """--lambda → budgets (K,) float64 normalised to sum 1 (with a note when they did not)."""
+    import torch  # not at the top: recast.py --help must not wait for it
+
     example = "--lambda " + ",".join(["0.25"] * len(names))
     if not text.strip():
         fail("--lambda", f"give one budget per reward ({', '.join(names)}), e.g. {example}")

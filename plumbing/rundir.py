@@ -2,6 +2,7 @@
 SIGINT and SIGTERM, summary.json, and the process's exit codes for the faults of a run."""
 
 import fcntl
+import json
 import os
 import signal
 import socket
@@ -75,7 +76,57 @@ def start_or_resume(args, world, optimizer, rank: int, log=print):
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup
         write_json_atomic(os.path.join(args.out, "args.json"), asdict(args))
         rewrite_metrics(args.out, history)
+        keep_environment(args.out, log)
     return start, opt_steps, gains_ema, history
+
+
+# What decides a run's floating-point results besides its flags: the libraries' versions and the
+# CPU's kernels (ATen, MKL and oneDNN each pick code by the processor; the variables below force
+# one path), or the GPU.
+DISPATCH = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
+PACKAGES = ("torch", "triton", "diffusers", "transformers", "peft", "numpy", "safetensors")
+
+
+def environment() -> dict:
+    """The run's environment: Python and package versions, the CPU, the kernels torch dispatches
+    to, its threads and the dispatch variables set, and the GPU if one is used."""
+    import platform
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_initialized() else None
+    return {
+        "python": platform.python_version(), **{p: version(p) for p in PACKAGES},
+        "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(), "gpu": gpu,
+        "variables": {k: os.environ[k] for k in DISPATCH if k in os.environ},
+    }  # fmt: skip
+
+
+def keep_environment(out: str, log=print) -> None:
+    """OUT/environment.json for a new run; a resumed run in another environment says so (its
+    numbers may then differ from an uninterrupted run's at float rounding)."""
+    path, now = os.path.join(out, "environment.json"), environment()
+    if not os.path.isfile(path):
+        write_json_atomic(path, now)
+        return
+    with open(path) as f:
+        then = json.load(f)
+    changed = [k for k in now if then.get(k) != now[k]]
+    if changed:
+        log(f"note: {out} was started in another environment ({', '.join(changed)} differ: "
+            f"{path}); from here its numbers may differ from an uninterrupted run's at float "
+            "rounding")  # fmt: skip
 
 
 class Stop:

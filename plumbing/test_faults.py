@@ -59,6 +59,15 @@ def run_patched(tmp_path, patch: str, *flags) -> subprocess.CompletedProcess:
                           cwd=HERE, env=ENV, timeout=900)  # fmt: skip
 
 
+def stopped_message(stderr: str) -> str:
+    """The run's one-line `recast.py: stopped: …` message: exactly one such line, found by its
+    prefix rather than its place (progress bars and any other process's note written to the
+    same stderr around it do not move it)."""
+    found = [line for line in stderr.splitlines() if line.startswith("recast.py: stopped:")]
+    assert len(found) == 1, stderr
+    return found[0]
+
+
 def start(*command, env=None) -> subprocess.Popen:
     """`python command` in the background, its output kept."""
     return subprocess.Popen([sys.executable, *command], cwd=HERE, env=env or ENV, text=True,
@@ -248,7 +257,7 @@ def test_a_full_disk_stops_the_run_with_exit_1_and_resume_is_exact(tmp_path, req
     out = tmp_path / "run"
     done = run_patched(tmp_path, patch, *FLAGS, "--out", str(out))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    message = done.stderr.strip().splitlines()[-1]
+    message = stopped_message(done.stderr)
     assert message.startswith(f"recast.py: stopped: could not write checkpoint {out}/ckpt/")
     assert "the disk holding it is full ([Errno 28] No space left on device" in message
     assert f"continue: python recast.py --out {out} --resume" in message

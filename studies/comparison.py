@@ -56,6 +56,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import matplotlib
 
@@ -103,12 +104,25 @@ ARMS.update({
     "s2-uniform": [*SETTING2, "--weighting", "uniform"],
     "s2-recast": [*SETTING2, *SHIPPED],
     "s2-sum": [*SETTING2, "--weighting", "sum"],
-    "s1-sum": [*SETTING1, "--weighting", "sum"],  # the tau study's sum kept no eval images
-    "s1-recast-joint": [*SETTING1, *SHIPPED, "--normalize", "joint"],
-    "s2-recast-joint": [*SETTING2, *SHIPPED, "--normalize", "joint"],
+    # development of joint normalisation (#38): every arm run anew, in the pinned DISPATCH
+    "d1-uniform": [*SETTING1, "--weighting", "uniform"],
+    "d1-sum": [*SETTING1, "--weighting", "sum"],
+    "d1-recast": [*SETTING1, *SHIPPED],
+    "d1-joint": [*SETTING1, *SHIPPED, "--normalize", "joint"],
+    "d2-uniform": [*SETTING2, "--weighting", "uniform"],
+    "d2-sum": [*SETTING2, "--weighting", "sum"],
+    "d2-recast": [*SETTING2, *SHIPPED],
+    "d2-joint": [*SETTING2, *SHIPPED, "--normalize", "joint"],
 })  # fmt: skip
+# Every run's CPU kernels: one thread, and ATen, MKL and oneDNN held to their AVX2 code on every
+# x86 machine, so that a run repeats to the bit on another machine with the same packages (their
+# own choice by processor moved results at float rounding between sittings: docs/results.md).
+DISPATCH = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2"}  # fmt: skip
 
 
+# A study's own report sections (after the generic tables and rule lines, and at the very end),
+# each a function of the report's numbers (Report, below) returning its lines.
 STUDIES = {  # study → its arms (uniform first: every arm is paired with it) and its other pairs
     "tau": {
         "arms": [
@@ -134,6 +148,7 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             ("recast-shift1", "recast-tau1", "shift 1 against shift 0 (pre-registered, decides)"),
             ("recast-shift2", "recast-tau1", "shift 2 against shift 0 (pre-registered, decides)"),
         ],
+        "sections": [lambda r: decide(r.gap, r.budgets, r.judge_words, r.partial)],
     },
     "scoring": {  # how W and the outcome degrade when fewer step predictions are scored (#22)
         "arms": [
@@ -149,31 +164,37 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             for a in ("recast-frac0.5", "recast-frac0.25", "recast-frac0.125", "recast-every2")
         ],  # fmt: skip
         "budgets": ["0.4,0.2,0.2,0.2"],
+        "sections": [lambda r: w_error(r.res, r.seeds, r.budgets, r.study["pairs"], r.out_dir)],
     },
     "setting1": {  # setting 1 rerun as shipped, eval images kept; reproduces the archive's runs
         "arms": ["s1-uniform", "s1-recast"],
         "pairs": [],
         "judges": JUDGES1,
         "reproduces": {"s1-uniform": "uniform", "s1-recast": "recast-shift1"},
+        "sections": [lambda r: claims_lines(r), lambda r: reproduction_lines(r)],
     },
     "setting2": {  # the pre-registered test in a setting nothing was tuned on (docs/results.md)
         "arms": ["s2-uniform", "s2-recast", "s2-sum"],
         "pairs": [],
         "names": TOY2,
         "judges": JUDGES2,
+        "sections": [lambda r: claims_lines(r)],
+        "closing": [lambda r: settings_w(r.args, r.fin, r.seeds, r.out_dir)],
     },
     # Development (#38, in-sample): ReCAST on joint normalisation against uniform, sum and
     # ReCAST as shipped, in both settings; the rule that picks the candidate is in results.md.
     "dev1": {
-        "arms": ["s1-uniform", "s1-sum", "s1-recast", "s1-recast-joint"],
-        "pairs": [(a, "s1-sum", f"{a} against sum") for a in ("s1-recast", "s1-recast-joint")],
+        "arms": ["d1-uniform", "d1-sum", "d1-recast", "d1-joint"],
+        "pairs": [(a, "d1-sum", f"{a} against sum") for a in ("d1-recast", "d1-joint")],
         "judges": JUDGES1,
+        "closing": [lambda r: pick_lines(r)],
     },
     "dev2": {
-        "arms": ["s2-uniform", "s2-sum", "s2-recast", "s2-recast-joint"],
-        "pairs": [(a, "s2-sum", f"{a} against sum") for a in ("s2-recast", "s2-recast-joint")],
+        "arms": ["d2-uniform", "d2-sum", "d2-recast", "d2-joint"],
+        "pairs": [(a, "d2-sum", f"{a} against sum") for a in ("d2-recast", "d2-joint")],
         "names": TOY2,
         "judges": JUDGES2,
+        "closing": [lambda r: pick_lines(r)],  # over both settings: run it after dev1's report
     },
 }
 REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
@@ -211,12 +232,16 @@ def compact(lines: list[dict]) -> list[dict]:
 def record(path: str) -> list[dict]:
     """A finished run folder's compact lines; where it kept its final eval images, their
     pairwise-judge distances (1 − SSIM to the ideal rendering, studies/judge.py) ride on the
-    last line as judge/distance, so preferences can be recomputed without the images."""
+    last line as judge/distance, so preferences can be recomputed without the images; its
+    environment.json (packages, CPU, kernel dispatch) rides there too, as env."""
     lines = compact(read_metrics(path))
     if os.path.isdir(os.path.join(path, eval_images.FOLDER)):
         index, images = eval_images.load(path)
         distance = toy_distances(images, index["prompts"])
         lines[-1]["judge/distance"] = [round(d, 5) for d in distance.tolist()]
+    if os.path.isfile(os.path.join(path, "environment.json")):
+        with open(os.path.join(path, "environment.json")) as f:
+            lines[-1]["env"] = json.load(f)
     return lines
 
 
@@ -252,7 +277,7 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
     cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
     with open(path + ".log", "a") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=code,
-                            env=dict(os.environ, OMP_NUM_THREADS="1")).returncode  # fmt: skip
+                            env=dict(os.environ, **DISPATCH)).returncode  # fmt: skip
     if rc:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {path}.log")
     bar.set_postfix_str(f"last: {os.path.basename(path)}", refresh=False)
@@ -453,11 +478,13 @@ def pairwise_lines(fin, seeds, budgets, a: str, b: str) -> tuple[list[str], list
     return [f"- {a} over {b}, pairwise judge (preference rate; − ½ ± SE): {counts} ({each})"], words
 
 
-def claims_lines(a: str, base: str, gap_ds, judge_words, pair_words, partial: bool) -> list[str]:
-    """The paper's three claims as the settings protocol tests them, ReCAST (a) against uniform
-    (base), across the budgets: 1. the λ-weighted gap beats or matches; 2. every held-out judge
-    beats; 3. the pairwise judge's preference beats ½. Beats: ≥ 3 wins and no loss; matches: no
-    loss."""
+def claims_lines(r: "Report") -> list[str]:
+    """The paper's three claims as the settings protocol tests them, ReCAST as shipped (the
+    study's second arm) against uniform (its first), across the budgets: 1. the λ-weighted gap
+    beats or matches; 2. every held-out judge beats; 3. the pairwise judge's preference beats ½.
+    Beats: ≥ 3 wins and no loss; matches: no loss."""
+    a, base, partial = r.arms[1], r.base, r.partial
+    gap_ds, judge_words, pair_words = r.summary[a], r.judge_words[a], r.pair_words[a]
 
     def counted(words: list[str]) -> str:
         return "/".join(str(words.count(w)) for w in ("win", "tie", "loss"))
@@ -488,10 +515,11 @@ def claims_lines(a: str, base: str, gap_ds, judge_words, pair_words, partial: bo
     return out
 
 
-def reproduction_lines(args, res, seeds, study: dict) -> list[str]:
+def reproduction_lines(r: "Report") -> list[str]:
     """Each rerun arm's eval/gap values at every eval against the archived run it repeats (same
     budget and seed; the values both have), the largest difference per arm against
     REPRODUCE_TOL."""
+    args, res, seeds, study = r.args, r.res, r.seeds, r.study
     kept = read_archive(args.archive)
     out = ["", f"Reproduction of the archived runs (every eval/gap value both have, tolerance "
            f"{REPRODUCE_TOL:g}):", ""]  # fmt: skip
@@ -513,6 +541,26 @@ def reproduction_lines(args, res, seeds, study: dict) -> list[str]:
         out.append(f"- {arm} against {archived}: {n} runs, largest difference {worst:.1e}; "
                    + beyond)  # fmt: skip
     return out
+
+
+@dataclass
+class Report:
+    """What a study's report has computed, for its own sections (STUDIES' sections, closing)."""
+
+    args: argparse.Namespace
+    study: dict
+    arms: list[str]
+    base: str  # the arm every other is paired with (uniform)
+    out_dir: str
+    res: dict  # (budget, arm, seed) → compact lines of every finished run used
+    fin: dict  # (budget, arm, seed) → its last eval's line
+    seeds: dict  # budget → the seeds every arm has finished
+    budgets: list[str]
+    gap: dict  # (budget, arm) → final λ-weighted gap per seed
+    summary: dict  # arm → (paired difference from base, SE) per budget
+    judge_words: dict  # arm → metric → verdict against base per budget
+    pair_words: dict  # arm → the pairwise judge's verdict per budget
+    partial: bool  # fewer seeds than the protocol decides on
 
 
 def report(args) -> None:
@@ -593,15 +641,10 @@ def report(args) -> None:
     for a, b, _ in study["pairs"]:
         lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
         lines += pairwise_lines(fin, seeds, budgets, a, b)[0]
-    if args.study == "shift":
-        lines += decide(gap, budgets, judge_words, partial)
-    if args.study == "scoring":
-        lines += w_error(res, seeds, budgets, study["pairs"], out_dir)
-    if args.study.startswith("setting"):  # ReCAST as shipped against the paper's claims
-        a = arms[1]
-        lines += claims_lines(a, base, summary[a], judge_words[a], pair_words[a], partial)
-    if "reproduces" in study:
-        lines += reproduction_lines(args, res, seeds, study)
+    r = Report(args, study, arms, base, out_dir, res, fin, seeds, budgets, gap, summary,
+               judge_words, pair_words, partial)  # fmt: skip
+    for section in study.get("sections", []):  # the study's own, declared in STUDIES
+        lines += section(r)
     lines += ["", f"Does W's distance from uniform predict the gain? Per budget: the mean final "
               f"W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
               f"{base}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
@@ -633,13 +676,70 @@ def report(args) -> None:
         "\nBase model: " + ", ".join(f"{n} {first[f'eval/{n}']:+.3f}" for n in names + judges)
     )
     lines.append("Per-reward columns: gap closed (mean over seeds); judges: final score.")
-    if args.study == "setting2":
-        lines += settings_w(args, fin, seeds, out_dir)
+    for section in study.get("closing", []):
+        lines += section(r)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(res, fin, gap, seeds, arms, out_dir, names)
     print("\n".join(lines))
     print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
+
+
+def pick_lines(r: Report) -> list[str]:
+    """The development's pick rule (docs/results.md, written before its runs), over settings 1
+    and 2 (studies dev1, dev2): in each (setting, budget) cell B is the better of uniform and sum
+    (the higher mean λ-weighted gap) and d = an arm's mean gap − B's. The candidate (`-joint`) goes
+    to the test if (1) its worst d is above ReCAST as shipped's, (2) it loses to B (the rule) in
+    no more cells, and (3) no judge nor the pairwise judge loses to B in a majority of a
+    setting's budgets for it where it does not for ReCAST as shipped."""
+    out = ["", "The development's pick rule (docs/results.md), both settings; per cell B = the "
+           "better of uniform and sum by mean gap, d = arm − B:", ""]  # fmt: skip
+    arms = {"recast": "ReCAST as shipped", "joint": "the candidate"}
+    worst, losses, majority, complete = {a: [] for a in arms}, dict.fromkeys(arms, 0), {}, True
+    for study, prefix in (("dev1", "d1-"), ("dev2", "d2-")):
+        judges = STUDIES[study]["judges"]
+        res = finished(r.args, STUDIES[study]["arms"])
+        lost = {a: {j: 0 for j in [*judges, "pairwise"]} for a in arms}
+        for lam in BUDGETS:
+            seeds = [s for s in range(r.args.seeds)
+                     if all((lam, a, s) in res for a in STUDIES[study]["arms"])]  # fmt: skip
+            complete &= len(seeds) == r.args.seeds
+            if len(seeds) < 2:
+                continue
+            fin = {(a, s): evals(res[lam, a, s])[-1] for a in STUDIES[study]["arms"] for s in seeds}
+            gaps = lambda a, ss=seeds, fin=fin: [fin[a, s]["gap/weighted"] for s in ss]  # noqa: E731
+            B = max((prefix + "uniform", prefix + "sum"), key=lambda a: statistics.fmean(gaps(a)))
+            cell = []
+            for a in arms:
+                d, se = paired(gaps(prefix + a), gaps(B))
+                worst[a].append(d)
+                losses[a] += verdict(d, se) == "loss"
+                cell.append(f"{a} {d:+.3f} ± {se:.3f} {verdict(d, se)}")
+                for j in judges:
+                    dj, sej = paired([fin[prefix + a, s][f"eval/{j}"] for s in seeds],
+                                     [fin[B, s][f"eval/{j}"] for s in seeds])  # fmt: skip
+                    lost[a][j] += verdict(dj, sej) == "loss"
+                fins = {(lam, x, s): fin[x, s] for x in (prefix + a, B) for s in seeds}
+                _, words = pairwise_lines(fins, {lam: seeds}, [lam], prefix + a, B)
+                lost[a]["pairwise"] += words.count("loss")
+            out.append(f"- {study}, λ = {lam}: B = {B}; " + "; ".join(cell))
+        majority[study] = {a: {j for j, n in lost[a].items() if n >= 3} for a in arms}
+    if not worst["joint"]:
+        return [*out, "- nothing to decide yet"]
+    for a, name in arms.items():
+        out.append(f"- {name} ({a}): worst d {min(worst[a]):+.3f}, loses to B in {losses[a]} of "
+                   f"{len(worst[a])} cells; judges losing to B in a majority of a setting's "
+                   "budgets: " + ("; ".join(f"{st} {', '.join(sorted(m[a])) or 'none'}"
+                                           for st, m in majority.items())))  # fmt: skip
+    passes = [min(worst["joint"]) > min(worst["recast"]), losses["joint"] <= losses["recast"],
+              all(m["joint"] <= m["recast"] for m in majority.values())]  # fmt: skip
+    tail = "" if complete else " (so far: not every run is finished, this decides nothing)"
+    verdict_ = "goes to the test" if all(passes) else "does not go to the test"
+    out.append(
+        f"- (1) worst d above: {passes[0]}; (2) no more losses: {passes[1]}; (3) no judge "
+        f"newly lost in a majority: {passes[2]}: the candidate {verdict_}{tail}"
+    )
+    return out
 
 
 def draw_w(ax, Ws: list, names: list[str]) -> None:

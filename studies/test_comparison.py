@@ -289,3 +289,50 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
     assert "0.2,0.4,0.2,0.2 s1 (1.0e-04)" in table
     assert "λ-weighted gap 0/5/0, mean +0.000, matches: shown (matches)" in table
     assert "3. the independent judge prefers it: no eval images' distances: not measured" in table
+
+
+def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
+    """A finished made-up run of a development arm: its final gap and every judge's score."""
+    study = cmp.STUDIES["dev1" if arm.startswith("d1-") else "dev2"]
+    names, judges = study.get("names", cmp.NAMES), study["judges"]
+    os.makedirs(path)
+    last = {"epoch": 2, "gap/weighted": gap, **{f"gap/{n}": gap for n in names},
+            **{f"eval/{j}": judge for j in judges}, "W": [[0.025] * 10] * 4}  # fmt: skip
+    lines = [{"epoch": 0, **{f"eval/{n}": 0.0 for n in names + judges}}, last]
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+
+
+@pytest.mark.parametrize("joint_gain,goes", [(0.03, True), (-0.03, False)])
+def test_the_development_pick_rule(tmp_path, capsys, joint_gain, goes):
+    """Setting 1: ReCAST beats uniform and sum; setting 2: sum beats uniform and ReCAST loses to it
+    (as in the archive). A candidate 0.03 above sum everywhere goes to the test; one 0.03 below
+    loses more cells than ReCAST as shipped and does not."""
+    out = tmp_path / "sweep"
+    gaps = {
+        "d1-uniform": 0.30,
+        "d1-sum": 0.30,
+        "d1-recast": 0.34,
+        "d1-joint": 0.30 + joint_gain,
+        "d2-uniform": 0.30,
+        "d2-sum": 0.34,
+        "d2-recast": 0.31,
+        "d2-joint": 0.34 + joint_gain,
+    }
+    for lam in cmp.BUDGETS:
+        for arm, gap in gaps.items():
+            for seed in range(3):
+                dev_run(cmp.folder(str(out), lam, arm, seed), arm, seed, gap + 0.01 * seed
+                        + 0.001 * (seed == 1) * (arm.endswith("-joint") or arm.endswith("recast")),
+                        judge=0.5)  # fmt: skip
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "none.jsonl"), seeds=3,
+                              code=cmp.ROOT, study="dev2")  # fmt: skip
+    cmp.report(args)
+    table = open(os.path.join(out, "dev2", "table.md")).read()
+    assert "- dev2, λ = 0.4,0.2,0.2,0.2: B = d2-sum" in table
+    assert "- dev1, λ = 0.4,0.2,0.2,0.2: B = d1-uniform" in table  # a tie goes to the first
+    said = "the candidate goes to the test" if goes else "the candidate does not go to the test"
+    assert said in table and "so far" not in table
+    assert "ReCAST as shipped (recast): worst d -0.030, loses to B in 5 of 10 cells" in table
