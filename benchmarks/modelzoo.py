@@ -612,6 +612,17 @@ def tiny_flux2_klein_pipeline(folder, distilled: bool = False) -> str:
     return str(folder)
 
 
+def aesthetic_head(widths: list[int], real: bool = False) -> dict[str, torch.Tensor]:
+    """LAION's aesthetic MLP's state dict (its layer names) with random weights from the global
+    RNG for layer widths `widths`: scaled like a trained layer's with zero biases (`real`, the
+    scale check's full-size head), or plain normal weights and biases (the tests' tiny one)."""
+    head = {}
+    for layer, i, o in zip([0, 2, 4, 6, 7], widths[:-1], widths[1:], strict=True):
+        head[f"layers.{layer}.weight"] = torch.randn(o, i) / (math.sqrt(i) if real else 1.0)
+        head[f"layers.{layer}.bias"] = torch.zeros(o) if real else torch.randn(o)
+    return head
+
+
 def tiny_reward_models(root) -> dict[str, str]:
     """A tiny random CLIP (with a clip_tokenizer processor, 32 px images) and a tiny LAION-style
     aesthetic head saved under `root`; returns the environment variables that point every CLIP
@@ -630,11 +641,7 @@ def tiny_reward_models(root) -> dict[str, str]:
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = CLIPProcessor(image_processor=images, tokenizer=clip_tokenizer(root / "tok"))
     processor.save_pretrained(root / "clip")
-    widths = [8, 6, 5, 4, 3, 1]  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
-    head = {}
-    for layer, i, o in zip([0, 2, 4, 6, 7], widths, widths[1:], strict=False):
-        head[f"layers.{layer}.weight"] = torch.randn(o, i)
-        head[f"layers.{layer}.bias"] = torch.randn(o)
+    head = aesthetic_head([8, 6, 5, 4, 3, 1])  # LAION's MLP is 768 → 1024 → 128 → 64 → 16 → 1
     save_file(head, root / "head.safetensors")
     torch.save(head, root / "head.pth")
     clip = str(root / "clip")

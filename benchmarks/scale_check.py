@@ -82,6 +82,7 @@ from benchmarks.modelzoo import (  # noqa: E402
     SHRINK_DEPTH,
     SHRINKS,
     OpenClipLike,
+    aesthetic_head,
     clip_config,
     clip_text_config,
     clip_tokenizer,
@@ -227,10 +228,7 @@ def build_and_save(c: dict, root: Path, device, dtype) -> dict:
         CLIPProcessor(image_processor=images, tokenizer=tok).save_pretrained(paths[name])
         del model
         free_device_memory()
-    widths, head = c["aesthetic_head"], {}
-    for layer, i, o in zip([0, 2, 4, 6, 7], widths[:-1], widths[1:], strict=True):
-        head[f"layers.{layer}.weight"] = torch.randn(o, i) / math.sqrt(i)
-        head[f"layers.{layer}.bias"] = torch.zeros(o)
+    head = aesthetic_head(c["aesthetic_head"], real=True)
     paths["aesthetic_head"] = root / "aesthetic_head.safetensors"
     save_file(head, paths["aesthetic_head"])
     counts["aesthetic_head"] = sum(v.numel() for v in head.values())
@@ -305,17 +303,21 @@ def hpsv2_stand_in(folder: str, size: int):
 # ---------------------------------------------------------------------------------------------
 # Cost model: FLOPs of each component, counted on meta-device models built from the configs
 # ---------------------------------------------------------------------------------------------
+def count_flops(fn) -> float:
+    """The FLOPs torch's FlopCounterMode counts in fn()."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return float(fc.get_total_flops())
+
+
 def component_flops(c: dict, resolutions) -> dict:
     """{component: FLOPs per image (per prompt for the text encoders)}; the transformer and VAE
     at each resolution. The transformer's backward has its weights frozen (only input gradients,
     as for the LoRA-wrapped base model; the adapters' own FLOPs, < 1 %, are left out)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-
-    def count(fn) -> float:
-        with FlopCounterMode(display=False) as fc:
-            fn()
-        return float(fc.get_total_flops())
 
     meta = torch.device("meta")
     out = {}
@@ -330,15 +332,15 @@ def component_flops(c: dict, resolutions) -> dict:
     with torch.no_grad():
         ids = torch.zeros(1, 77, dtype=torch.long, device=meta)
         for name, model in texts.items():
-            out[name] = count(lambda m=model: m(input_ids=ids, output_hidden_states=True))
+            out[name] = count_flops(lambda m=model: m(input_ids=ids, output_hidden_states=True))
         t5_ids = torch.zeros(1, c["t5_tokens"], dtype=torch.long, device=meta)
-        out["t5xxl"] = count(lambda: t5(input_ids=t5_ids))
+        out["t5xxl"] = count_flops(lambda: t5(input_ids=t5_ids))
         size = c["reward_image_size"]
         pixels = torch.zeros(1, 3, size, size, device=meta)
         for name, m in clips.items():
-            out[f"{name}_image"] = count(lambda m=m: m.visual_projection(
+            out[f"{name}_image"] = count_flops(lambda m=m: m.visual_projection(
                 m.vision_model(pixel_values=pixels).pooler_output))  # fmt: skip
-            out[f"{name}_text"] = count(lambda m=m: m.text_projection(
+            out[f"{name}_text"] = count_flops(lambda m=m: m.text_projection(
                 m.text_model(input_ids=ids).pooler_output))  # fmt: skip
         w = c["aesthetic_head"]
         out["aesthetic_head"] = float(sum(2 * a * b for a, b in zip(w, w[1:], strict=False)))
@@ -352,10 +354,10 @@ def component_flops(c: dict, resolutions) -> dict:
             v = tr(hidden_states=x, encoder_hidden_states=embeds, pooled_projections=pooled,
                    timestep=t, return_dict=False)[0]  # fmt: skip
         out[f"transformer_fwd@{res}"] = float(fc.get_total_flops())
-        out[f"transformer_bwd@{res}"] = count(lambda v=v: v.sum().backward())
+        out[f"transformer_bwd@{res}"] = count_flops(lambda v=v: v.sum().backward())
         z = torch.zeros(1, vae_cfg["latent_channels"], side, side, device=meta)
         with torch.no_grad():
-            out[f"vae_decode@{res}"] = count(lambda z=z: vae.decode(z, return_dict=False))
+            out[f"vae_decode@{res}"] = count_flops(lambda z=z: vae.decode(z, return_dict=False))
     return out
 
 
@@ -1152,11 +1154,6 @@ def family_flops(c: dict, cf: dict, family: str, resolutions) -> dict:
     if family == "SD3.5-Medium":
         return cf
 
-    def count(fn) -> float:
-        with FlopCounterMode(display=False) as fc:
-            fn()
-        return float(fc.get_total_flops())
-
     meta = torch.device("meta")
     with meta:
         m = family_models(c, family)
@@ -1164,7 +1161,9 @@ def family_flops(c: dict, cf: dict, family: str, resolutions) -> dict:
     out = dict(cf)
     with torch.no_grad():
         out["text"] = sum(
-            count(lambda e=e, n=n: e(input_ids=torch.zeros(1, n, dtype=torch.long, device=meta)))
+            count_flops(
+                lambda e=e, n=n: e(input_ids=torch.zeros(1, n, dtype=torch.long, device=meta))
+            )
             for e, n in m["text"]
         )
     tokens = m["text"][-1][1] - (34 if family == "Qwen-Image" else 0)  # its template dropped
@@ -1189,11 +1188,11 @@ def family_flops(c: dict, cf: dict, family: str, resolutions) -> dict:
         with FlopCounterMode(display=False) as fc:
             v = tr(**kw)[0]
         out[f"transformer_fwd@{res}"] = float(fc.get_total_flops())
-        out[f"transformer_bwd@{res}"] = count(lambda v=v: v.sum().backward())
+        out[f"transformer_bwd@{res}"] = count_flops(lambda v=v: v.sum().backward())
         shape = {"FLUX.2-klein 4B": (1, 32, side, side), "Qwen-Image": (1, 16, 1, side, side)}
         z = torch.zeros(*shape.get(family, (1, 16, side, side)), device=meta)
         with torch.no_grad():
-            out[f"vae_decode@{res}"] = count(lambda z=z: vae.decode(z, return_dict=False))
+            out[f"vae_decode@{res}"] = count_flops(lambda z=z: vae.decode(z, return_dict=False))
     return out
 
 
