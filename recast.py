@@ -315,6 +315,17 @@ def expand_names(flag: str, text: str, known: list[str], allow_none: bool = Fals
     return names
 
 
+def check_rewards(args: Args, names: list[str], judges: list[str]) -> None:
+    """A diffusers --model is scored by reward models: a toy-world reward or judge exits 2."""
+    for flag, given in (("--rewards", names), ("--judges", judges)):
+        toy = [n for n in given if n in rewards.TOY]
+        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
+        if toy:
+            cli.fail(flag, f"{', '.join(toy)} score the toy world's shapes, not {args.model}: "
+                     f"choose from {', '.join(rewards.LOADERS)}, or a preset "
+                     f"({', '.join(real)})")  # fmt: skip
+
+
 def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
@@ -371,8 +382,9 @@ def setup(argv: list[str] | None) -> "Run":
     if is_diffusers(args.model):
         from worlds import diffusersworld
 
+        check_rewards(args, names, judges)  # a diffusers model: no toy reward
         try:
-            diffusersworld.check(args, names, judges)  # --rewards, --judges, --prompts-file
+            diffusersworld.check(args)  # --prompts-file, --eval-prompts-file
         except diffusersworld.BadInput as e:
             cli.fail(e.flag, str(e))
     if args.resume and not args.profile and rank0:

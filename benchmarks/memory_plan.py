@@ -162,7 +162,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     if own.shrink and model != "sd35m":
         fail("--shrink", f"shrinks SD3.5-Medium's configurations (sd35m), not {model}")
     full = [*DOCS_COMMAND, *rest]
-    args = cli.parse(recast.Args, full, recast.__doc__, CHOICES)
+    args = cli.parse(recast.Args, full, recast.__doc__, recast.CHOICES)
     recast.scoring_defaults(args, full)  # the diffusers scoring defaults, as recast.py sets them
     cli.check(args, own.world_size, recast.RESUMABLE)
     known = [*rewards.REWARDS, *rewards.LOADERS]
@@ -171,9 +171,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     judges = recast.expand_names("--judges", args.judges, [*known, *rewards.JUDGES], True)
     if args.profile:
         fail("--profile", "plans a training run; --profile trains nothing")
+    recast.check_rewards(args, names, judges)
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
-        diffusersworld.check(args, names, judges)
+        diffusersworld.check(args)
     except diffusersworld.BadInput as e:
         if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
             fail(e.flag, str(e))
@@ -190,10 +191,6 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
              f"{', '.join(BACKBONES)}")  # fmt: skip
     own.names, own.judges = names, judges
     return own, args
-
-
-CHOICES = {"weighting": ["recast", "uniform", "sum", "reversed"], "log": ["none", "tensorboard"],
-           "score_precision": ["fp32", "bf16"]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ import os
 import numpy as np
 import torch
 
-import rewards
 from worlds import hub
 
 EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
@@ -68,18 +67,10 @@ class BadInput(ValueError):
         self.flag = flag
 
 
-def check(args, names: list[str], judges: list[str] = ()) -> None:
-    """The flags every diffusers run needs (`args`: recast.py's flags; `names`, `judges`: the
-    reward and judge names), checked before anything is loaded; a BadInput naming the flag."""
-    for flag, given in (("--rewards", names), ("--judges", judges)):
-        toy = [n for n in given if n in rewards.TOY]
-        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
-        if toy:
-            raise BadInput(
-                flag,
-                f"{', '.join(toy)} score the toy world's shapes, not {args.model}: choose from "
-                f"{', '.join(rewards.LOADERS)}, or a preset ({', '.join(real)})",
-            )
+def check(args) -> None:
+    """The flags every diffusers run needs (`args`: recast.py's flags), checked before anything
+    is loaded; a BadInput naming the flag. (That its rewards are not the toy world's is
+    recast.check_rewards', which knows the rewards.)"""
     if not args.prompts_file:
         raise BadInput(
             "--prompts-file", f"--model {args.model} needs training prompts, one per line"
@@ -149,7 +140,6 @@ class DiffusersWorld:
     """What recast.py needs of a world (toyworld.ToyWorld has the same shape), for a diffusers
     pipeline of the family `family` (a family module, see above)."""
 
-    reward_names = rewards.PRESETS["paper1"]
     judge_names = ()  # held-out judges are reward models too: none is scored by default
 
     def __init__(self, args, device: torch.device, family, pipe=None):
