@@ -20,7 +20,8 @@ Judges: `shape` (1 if the drawn mask matches the requested shape better than the
 of the same area and centroid) and `iou` (overlap of the drawn mask with the ideal rendering's).
 `--rewards toy2` is the toy world's second setting, four other properties of the same pictures
 (`size`, `elongation`, `outline`, `texture`; docs/toy_world.md#setting-2), chosen on base-model
-measurements alone to test ReCAST where nothing was tuned.
+measurements alone to test ReCAST where nothing was tuned. `--rewards toy3` and `toy4` recombine
+the eight into two more settings, chosen the same way (docs/toy_world.md#settings-3-and-4).
 
 Reward models for SD3 / SD3.5 (`LOADERS`, loaded on first use with transformers; each location is a
 local folder or a hub id, set by an environment variable):
@@ -269,6 +270,10 @@ def iou(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 PRESETS = {
     "paper1": ("pickscore", "hpsv2", "clipscore", "aesthetic"),  # the paper's first setting
     "toy2": ("size", "elongation", "outline", "texture"),  # the toy world's second setting
+    # settings 3 and 4, fixed on base-model measurements before any run in them (#38): profile
+    # centroids far apart (wider than setting 1's), and close together (closer than setting 2's)
+    "toy3": ("color", "elongation", "background", "outline"),
+    "toy4": ("size", "texture", "elongation", "background"),
 }
 TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names, *PRESETS["toy2"]))
 CHUNK = 32  # images per reward-model forward

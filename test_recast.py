@@ -395,6 +395,65 @@ def test_each_setting2_reward_measures_its_own_property(k, base_groups2):
     assert effect[k] > 2 and (effect[others].abs() < 0.2 * effect[k]).all(), effect
 
 
+EIGHT = [*tw.ToyWorld.reward_names, *TOY2]  # every toy reward; settings 3 and 4 recombine them
+SETTINGS34 = {name: rewards.PRESETS[name] for name in ("toy3", "toy4")}
+
+
+@pytest.fixture(scope="module")
+def base_groups8():
+    """All eight toy rewards' scores of base-model samples, 16 training prompts × 8 images:
+    (8, 16, 8), and the ideal renderings' (8, 16, 8)."""
+    import recast
+
+    world = tw.ToyWorld(torch.device("cpu"))
+    prompts = [p for p in tw.TRAIN_PROMPTS[::4][:16] for _ in range(8)]
+    noise = torch.randn(len(prompts), *world.latent_shape,
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
+    x0, _ = recast.sample(lambda x, c, t: world.v("ref", x, c, t), noise, world.encode(prompts),
+                          world.sigmas(10))  # fmt: skip
+    ideal = torch.stack([rewards.get(n, "cpu")(tw.render(prompts), prompts) for n in EIGHT])
+    scores = torch.stack([rewards.get(n, "cpu")(x0, prompts) for n in EIGHT])
+    return scores.view(8, -1, 8), ideal.view(8, -1, 8)
+
+
+@pytest.mark.parametrize("setting", SETTINGS34)
+def test_settings_3_and_4_have_headroom_spread_and_are_independent(setting, base_groups8):
+    """What settings 3 and 4 were chosen for (docs/toy_world.md#settings-3-and-4), as setting 2's
+    test pins for it: headroom over the within-group spread, spread in most groups, and no two
+    correlated beyond 0.3 within groups."""
+    rows = [EIGHT.index(n) for n in SETTINGS34[setting]]
+    scores, ideal = (x[rows] for x in base_groups8)
+    spread = scores.std(2).mean(1)
+    assert (ideal.mean((1, 2)) - scores.mean((1, 2)) > spread).all()
+    assert ((scores.std(2) > 0).float().mean(1) > 0.9).all()
+    z = (scores - scores.mean(2, keepdim=True)) / (scores.std(2, keepdim=True) + 1e-8)
+    corr = torch.einsum("kgn,jgn->kj", z, z) / (z[0].numel() - z.shape[1])
+    assert (corr - torch.diag(corr.diag())).abs().max() < 0.3, corr
+
+
+def _flaw_of(name: str, flawed: bool) -> torch.Tensor:
+    """Held-out pictures without and with reward `name`'s own flaw: setting 1's world defects
+    (misplacement, colour cast, blur, specks) or setting 2's spoiled properties."""
+    if name in tw.ToyWorld.reward_names:
+        return _with_defect(tw.ToyWorld.reward_names.index(name) if flawed else None)
+    return _flawed2(TOY2.index(name) if flawed else None)
+
+
+@pytest.mark.parametrize("setting,k", [(s, k) for s in SETTINGS34 for k in range(4)],
+                         ids=[f"{s}-{n}" for s, ns in SETTINGS34.items() for n in ns])  # fmt: skip
+def test_each_reward_of_settings_3_and_4_is_moved_most_by_its_own_flaw(setting, k, base_groups8):
+    """Reward k's own flaw lowers it, and moves the setting's other three by less than a fifth as
+    much, in units of each reward's spread within the base model's groups."""
+    names = SETTINGS34[setting]
+    fns = [rewards.get(n, "cpu") for n in names]
+    clean, flawed = _flaw_of(names[k], False), _flaw_of(names[k], True)
+    drop = torch.stack([fn(clean, P) - fn(flawed, P) for fn in fns]).mean(1)  # > 0: worse
+    unit = base_groups8[0][[EIGHT.index(n) for n in names]].std(2).mean(1)
+    effect = drop / unit
+    others = [j for j in range(4) if j != k]
+    assert effect[k] > 0.5 and (effect[others].abs() < 0.2 * effect[k]).all(), effect
+
+
 def test_ideal_rendering_scores_near_the_top_of_setting2():
     images = tw.render(P)
     assert rewards.size(images, P).abs().max() < 0.02  # the canonical area, anti-aliased
@@ -696,24 +755,27 @@ def test_a_rerun_repeats_to_the_bit_and_each_run_records_its_environment(tmp_pat
     assert "started in another environment" in said and "variables" in said
 
 
-def test_setting2_trains_and_profiles(tmp_path, monkeypatch, capsys):
-    """--rewards toy2: the second setting's rewards train, with setting 1's as judges, and
-    --profile reports them."""
-    out = tmp_path / "run"
-    run_recast("--rewards", "toy2", "--lambda", "0.4,0.2,0.2,0.2", "--judges",
-               "shape,iou,position,color", *TINY, "--out", str(out))  # fmt: skip
+@pytest.mark.parametrize("preset", ["toy2", "toy3", "toy4"])
+def test_settings_2_to_4_train_and_profile(preset, tmp_path, monkeypatch, capsys):
+    """--rewards toy2 | toy3 | toy4: the setting's rewards train, with rewards it does not train
+    on as judges, and --profile reports them."""
+    names = rewards.PRESETS[preset]
+    judges = ["shape", "iou", *[n for n in EIGHT if n not in names][:2]]
+    out, epochs = tmp_path / "run", ["--epochs", "2" if preset == "toy2" else "1"]
+    run_recast("--rewards", preset, "--lambda", "0.4,0.2,0.2,0.2", "--judges", ",".join(judges),
+               *TINY, *epochs, "--out", str(out))  # fmt: skip
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    for n in rewards.PRESETS["toy2"]:
+    for n in names:
         assert math.isfinite(lines[-1][f"reward/{n}"]) and f"gap/{n}" in lines[-1]
-    for n in ("shape", "iou", "position", "color"):
+    for n in judges:
         assert f"eval/{n}" in lines[0] and f"gap/{n}" in lines[-1]
     import recast
 
     monkeypatch.chdir(tmp_path)
-    recast.main(["--rewards", "toy2", "--lambda", "0.25,0.25,0.25,0.25", "--profile",
+    recast.main(["--rewards", preset, "--lambda", "0.25,0.25,0.25,0.25", "--profile",
                  "--prompts", "4", "--group-size", "4", "--out", str(tmp_path / "p")])  # fmt: skip
-    assert "outline" in capsys.readouterr().out
-    check_profile(tmp_path / "p", list(rewards.PRESETS["toy2"]), [0.25] * 4, 10, 16)
+    assert names[-1] in capsys.readouterr().out
+    check_profile(tmp_path / "p", list(names), [0.25] * 4, 10, 16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1277,6 +1339,10 @@ def test_sd3_flags_are_checked_before_anything_is_written(
                       "--prompts-file", prompts_file)  # fmt: skip
     assert "error: --rewards" in err and "size, elongation, outline, texture score" in err
     assert "(paper1)" in err  # the presets that suit a real model, not toy2
+    for preset in ("toy3", "toy4"):
+        err = recast_exit(capsys, *base, "--rewards", preset, "--lambda", "1,1,1,1",
+                          "--prompts-file", prompts_file)  # fmt: skip
+        assert "error: --rewards" in err and "score the toy world's shapes" in err
     sd3 = [*base, "--rewards", "pickscore,aesthetic", "--lambda", "1,1"]
     assert "error: --prompts-file" in recast_exit(capsys, *sd3)
     empty = tmp_path / "empty.txt"

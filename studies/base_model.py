@@ -8,6 +8,13 @@ four rewards (DESIGN §4) with their centroids, and each reward's spread within 
 With --rewards toy2 it also prints what setting 2's four were chosen on (docs/toy_world.md,
 "Setting 2"): the within-group correlations of every candidate and of setting 1's rewards,
 candidates that were measured and not chosen (`symmetry`, below) among them.
+
+    python studies/base_model.py --measure   # what settings 3 and 4 were chosen on
+
+prints, for all eight rewards of settings 1 and 2 on the base model (64 training prompts × 8
+images), each one's headroom over its within-group spread, the share of groups in which it
+spreads, its gain-profile centroid (DESIGN §4; ± over bootstrap resamples of the groups) and the
+within-group correlations between them (docs/toy_world.md, "Settings 3 and 4").
 """
 
 import argparse
@@ -157,6 +164,50 @@ def report(out_dir: str, setting2: bool = False) -> None:
     print("D_T:", {n: round(d.item(), 4) for n, d in zip(names, D[:, -1], strict=True)})
 
 
+def measure(prompts: int = 64, group_size: int = 8, seed: int = 0) -> dict:
+    """What settings 3 and 4 were chosen on, for the eight rewards of settings 1 and 2: per
+    reward its headroom (the ideal rendering's mean score − the base model's) over its mean
+    within-group std, the share of groups where it spreads, its profile centroid as --profile
+    reports it (the shipped --gain-shift 1) with the std over 200 bootstrap resamples of the
+    groups, and the within-group correlations."""
+    world = tw.ToyWorld(torch.device("cpu"))
+    names = [*world.reward_names, *rewards.PRESETS["toy2"]]
+    train = [tw.TRAIN_PROMPTS[i * len(tw.TRAIN_PROMPTS) // prompts] for i in range(prompts)]
+    _, _, gains, _, scores = base_profiles(world, train, group_size, seed, names=names)
+    final = scores[:, -1].view(len(names), prompts, group_size)  # (K, M, G)
+    per_image = [p for p in train for _ in range(group_size)]
+    ideal = torch.stack([rewards.get(n, "cpu")(tw.render(per_image), per_image) for n in names])
+    spread = final.std(2).mean(1)
+    z = (final - final.mean(2, keepdim=True)) / (final.std(2, keepdim=True) + 1e-8)
+    corr = torch.einsum("kgn,jgn->kj", z, z) / (z[0].numel() - z.shape[1])
+    gen = torch.Generator().manual_seed(seed)
+    boot = []
+    for _ in range(200):
+        pick = torch.randint(prompts, (prompts,), generator=gen)
+        image = (pick[:, None] * group_size + torch.arange(group_size)).flatten()
+        _, g = renyi_gains(scores[:, :, image], group_size)
+        boot.append(plots.timestep_centroid(gain_profiles(g.double(), 0.1, 1)))
+    return {
+        "names": names, "headroom_over_spread": ((ideal.mean(1) - final.mean((1, 2))) / spread),
+        "spreads": (final.std(2) > 0).float().mean(1), "corr": corr,
+        "centroid": plots.timestep_centroid(gain_profiles(gains.double(), 0.1, 1)),
+        "centroid_std": torch.stack(boot).std(0),
+    }  # fmt: skip
+
+
+def print_measure() -> None:
+    m = measure()
+    print("the eight rewards on the base model, 64 training prompts × 8 images (studies/"
+          "base_model.py --measure):\n")  # fmt: skip
+    print("| reward | headroom ÷ spread | groups that spread | profile centroid | " +
+          " | ".join(m["names"]) + " |")  # fmt: skip
+    print("|---" * (4 + len(m["names"])) + "|")
+    for k, n in enumerate(m["names"]):
+        print(f"| {n} | {m['headroom_over_spread'][k]:.2f} | {m['spreads'][k]:.2f} | "
+              f"{m['centroid'][k]:.2f} ± {m['centroid_std'][k]:.2f} | "
+              + " | ".join(f"{v:+.2f}" for v in m["corr"][k].tolist()) + " |")  # fmt: skip
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,5 +219,10 @@ if __name__ == "__main__":
         default="toy",
         help="toy: setting 1's four; toy2: setting 2's (setting 1's as judges)",
     )
+    ap.add_argument("--measure", action="store_true",
+                    help="print what settings 3 and 4 were chosen on")  # fmt: skip
     a = ap.parse_args()
-    report(a.out, a.rewards == "toy2")
+    if a.measure:
+        print_measure()
+    else:
+        report(a.out, a.rewards == "toy2")

@@ -95,6 +95,8 @@ EVAL_EVERY = 2
 # judges, setting 1 rerun as shipped with setting 2's rewards among its judges; every run keeps its
 # final eval images for the pairwise judge (studies/judge.py).
 TOY2 = ["size", "elongation", "outline", "texture"]  # rewards.PRESETS["toy2"]
+TOY3 = ["color", "elongation", "background", "outline"]  # rewards.PRESETS["toy3"]
+TOY4 = ["size", "texture", "elongation", "background"]  # rewards.PRESETS["toy4"]
 JUDGES1, JUDGES2 = [*JUDGES, *TOY2], [*JUDGES, *NAMES]
 SETTING1 = ["--judges", ",".join(JUDGES1)]
 SETTING2 = ["--rewards", "toy2", "--judges", ",".join(JUDGES2)]
@@ -114,6 +116,17 @@ ARMS.update({
     "d2-recast": [*SETTING2, *SHIPPED],
     "d2-joint": [*SETTING2, *SHIPPED, "--normalize", "joint"],
 })  # fmt: skip
+# The test (#38): settings 3 and 4, fixed before any run in them (docs/toy_world.md); every reward
+# a setting does not train on is its judge. The candidate arm runs only if the development's pick
+# rule sends it to the test.
+JUDGES3 = [*JUDGES, "position", "sharpness", "size", "texture"]
+JUDGES4 = [*JUDGES, "position", "color", "sharpness", "outline"]
+SETTING3 = ["--rewards", "toy3", "--judges", ",".join(JUDGES3)]
+SETTING4 = ["--rewards", "toy4", "--judges", ",".join(JUDGES4)]
+for _n, _flags in (("t3", SETTING3), ("t4", SETTING4)):
+    ARMS.update({f"{_n}-uniform": [*_flags, "--weighting", "uniform"],
+                 f"{_n}-sum": [*_flags, "--weighting", "sum"], f"{_n}-recast": [*_flags, *SHIPPED],
+                 f"{_n}-joint": [*_flags, *SHIPPED, "--normalize", "joint"]})  # fmt: skip
 # Every run's CPU kernels: one thread, and ATen, MKL and oneDNN held to their AVX2 code on every
 # x86 machine, so that a run repeats to the bit on another machine with the same packages (their
 # own choice by processor moved results at float rounding between sittings: docs/results.md).
@@ -195,6 +208,19 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
         "names": TOY2,
         "judges": JUDGES2,
         "closing": [lambda r: pick_lines(r)],  # over both settings: run it after dev1's report
+    },
+    # the pre-registered test in settings 3 and 4 (docs/results.md); ReCAST as shipped against
+    # uniform is the paper's claims' comparison, every arm against sum the users' rule's
+    **{
+        f"setting{k}": {
+            "arms": [f"t{k}-uniform", f"t{k}-sum", f"t{k}-recast", f"t{k}-joint"],
+            "pairs": [(f"t{k}-{a}", f"t{k}-sum", f"{a} against sum") for a in ("recast", "joint")],
+            "names": list(TOY3 if k == 3 else TOY4),
+            "judges": JUDGES3 if k == 3 else JUDGES4,
+            "sections": [lambda r: claims_lines(r)],
+            "closing": [lambda r: ship_lines(r)],
+        }
+        for k in (3, 4)
     },
 }
 REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
@@ -483,7 +509,7 @@ def claims_lines(r: "Report") -> list[str]:
     study's second arm) against uniform (its first), across the budgets: 1. the λ-weighted gap
     beats or matches; 2. every held-out judge beats; 3. the pairwise judge's preference beats ½.
     Beats: ≥ 3 wins and no loss; matches: no loss."""
-    a, base, partial = r.arms[1], r.base, r.partial
+    a, base, partial = next(x for x in r.arms if x.endswith("recast")), r.base, r.partial
     gap_ds, judge_words, pair_words = r.summary[a], r.judge_words[a], r.pair_words[a]
 
     def counted(words: list[str]) -> str:
@@ -565,7 +591,11 @@ class Report:
 
 def report(args) -> None:
     study = STUDIES[args.study]
-    arms, out_dir = study["arms"], os.path.join(args.out, args.study)
+    chosen = (
+        getattr(args, "arms", "") or ""
+    )  # a protocol may leave an arm out (the test's candidate)
+    arms = [a for a in study["arms"] if not chosen or a in chosen.split(",")]
+    out_dir = os.path.join(args.out, args.study)
     base, names, judges = arms[0], study.get("names", NAMES), study.get("judges", JUDGES)
     os.makedirs(out_dir, exist_ok=True)
     res = finished(args, arms)
@@ -697,33 +727,15 @@ def pick_lines(r: Report) -> list[str]:
     arms = {"recast": "ReCAST as shipped", "joint": "the candidate"}
     worst, losses, majority, complete = {a: [] for a in arms}, dict.fromkeys(arms, 0), {}, True
     for study, prefix in (("dev1", "d1-"), ("dev2", "d2-")):
-        judges = STUDIES[study]["judges"]
-        res = finished(r.args, STUDIES[study]["arms"])
-        lost = {a: {j: 0 for j in [*judges, "pairwise"]} for a in arms}
-        for lam in BUDGETS:
-            seeds = [s for s in range(r.args.seeds)
-                     if all((lam, a, s) in res for a in STUDIES[study]["arms"])]  # fmt: skip
-            complete &= len(seeds) == r.args.seeds
-            if len(seeds) < 2:
-                continue
-            fin = {(a, s): evals(res[lam, a, s])[-1] for a in STUDIES[study]["arms"] for s in seeds}
-            gaps = lambda a, ss=seeds, fin=fin: [fin[a, s]["gap/weighted"] for s in ss]  # noqa: E731
-            B = max((prefix + "uniform", prefix + "sum"), key=lambda a: statistics.fmean(gaps(a)))
-            cell = []
-            for a in arms:
-                d, se = paired(gaps(prefix + a), gaps(B))
-                worst[a].append(d)
-                losses[a] += verdict(d, se) == "loss"
-                cell.append(f"{a} {d:+.3f} ± {se:.3f} {verdict(d, se)}")
-                for j in judges:
-                    dj, sej = paired([fin[prefix + a, s][f"eval/{j}"] for s in seeds],
-                                     [fin[B, s][f"eval/{j}"] for s in seeds])  # fmt: skip
-                    lost[a][j] += verdict(dj, sej) == "loss"
-                fins = {(lam, x, s): fin[x, s] for x in (prefix + a, B) for s in seeds}
-                _, words = pairwise_lines(fins, {lam: seeds}, [lam], prefix + a, B)
-                lost[a]["pairwise"] += words.count("loss")
-            out.append(f"- {study}, λ = {lam}: B = {B}; " + "; ".join(cell))
-        majority[study] = {a: {j for j, n in lost[a].items() if n >= 3} for a in arms}
+        majority[study] = {}
+        for a in arms:
+            got = against_better(r.args, study, prefix, a)
+            complete &= got["complete"]
+            worst[a] += [d for _, _, d, _, _ in got["cells"]]
+            losses[a] += sum(v == "loss" for *_, v in got["cells"])
+            majority[study][a] = {j for j, n in got["judges"].items() if n >= 3}
+            out += [f"- {study}, λ = {lam}: B = {B}; {a} {d:+.3f} ± {se:.3f} {v}"
+                    for lam, B, d, se, v in got["cells"]]  # fmt: skip
     if not worst["joint"]:
         return [*out, "- nothing to decide yet"]
     for a, name in arms.items():
@@ -739,6 +751,59 @@ def pick_lines(r: Report) -> list[str]:
         f"- (1) worst d above: {passes[0]}; (2) no more losses: {passes[1]}; (3) no judge "
         f"newly lost in a majority: {passes[2]}: the candidate {verdict_}{tail}"
     )
+    return out
+
+
+def against_better(args, study: str, prefix: str, arm: str) -> dict:
+    """Per budget of a study, `arm` against B, the better of uniform and sum there (the higher
+    mean λ-weighted gap over the seeds every arm has finished): {"cells": [(budget, B, d, SE,
+    verdict)], "judges": {judge or "pairwise": budgets lost to B}, "complete": every seed done}."""
+    arms = [prefix + "uniform", prefix + "sum", prefix + arm]
+    res, out = finished(args, arms), {"cells": [], "judges": {}, "complete": True}
+    for lam in BUDGETS:
+        seeds = [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
+        out["complete"] &= len(seeds) == args.seeds
+        if len(seeds) < 2:
+            continue
+        fin = {(a, s): evals(res[lam, a, s])[-1] for a in arms for s in seeds}
+        gaps = lambda a, ss=seeds, fin=fin: [fin[a, s]["gap/weighted"] for s in ss]  # noqa: E731
+        B = max(arms[:2], key=lambda a: statistics.fmean(gaps(a)))
+        d, se = paired(gaps(prefix + arm), gaps(B))
+        out["cells"].append((lam, B, d, se, verdict(d, se)))
+        for j in STUDIES[study]["judges"]:
+            dj, sej = paired([fin[prefix + arm, s][f"eval/{j}"] for s in seeds],
+                             [fin[B, s][f"eval/{j}"] for s in seeds])  # fmt: skip
+            out["judges"][j] = out["judges"].get(j, 0) + (verdict(dj, sej) == "loss")
+        fins = {(lam, x, s): fin[x, s] for x in (prefix + arm, B) for s in seeds}
+        _, words = pairwise_lines(fins, {lam: seeds}, [lam], prefix + arm, B)
+        out["judges"]["pairwise"] = out["judges"].get("pairwise", 0) + words.count("loss")
+    return out
+
+
+def ship_lines(r: Report) -> list[str]:
+    """The test's shipping rule (docs/results.md, written before its runs): the candidate
+    (`-joint`) becomes the default only if, in both settings 3 and 4, it loses in no budget to
+    B, the better of uniform and sum, it beats B (≥ 3 wins, no loss) in at least one, and no judge
+    nor the pairwise judge loses to B in a majority of a setting's budgets."""
+    out = ["", "The test's shipping rule (docs/results.md), settings 3 and 4; per budget B = the "
+           "better of uniform and sum by mean gap:", ""]  # fmt: skip
+    ok, beat, complete = True, False, True
+    for study, prefix in (("setting3", "t3-"), ("setting4", "t4-")):
+        for arm in ("recast", "joint"):
+            a = against_better(r.args, study, prefix, arm)
+            complete &= a["complete"]
+            words = [v for *_, v in a["cells"]]
+            lost = sorted(j for j, n in a["judges"].items() if n >= 3)
+            out.append(f"- {study}, {prefix}{arm} against B: "
+                       + "; ".join(f"{lam} ({B.removeprefix(prefix)}) {d:+.3f} ± {se:.3f} {v}"
+                                   for lam, B, d, se, v in a["cells"])
+                       + f"; judges lost in most budgets: {', '.join(lost) or 'none'}")  # fmt: skip
+            if arm == "joint":
+                ok &= bool(words) and "loss" not in words and not lost
+                beat |= beats(words)
+    tail = "" if complete else " (so far: not every run is finished, this decides nothing)"
+    ships = ok and beat
+    out.append(f"- the candidate {'becomes' if ships else 'does not become'} the default{tail}")
     return out
 
 
@@ -888,7 +953,7 @@ if __name__ == "__main__":
                          "its first run to its last (docs/results.md names it)")  # fmt: skip
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
     ap.add_argument("--arms", default="",
-                    help="run: only these arms of the study; reproduce: rerun these arms' "
+                    help="run, report: only these arms of the study; reproduce: rerun these arms' "
                          "archived runs at the first budget, seed 0, instead of REPRODUCE "
                          "(comma-separated)")  # fmt: skip
     ap.add_argument("--stop-after", type=float, default=150.0,

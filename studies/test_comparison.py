@@ -293,7 +293,7 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
 
 def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
     """A finished made-up run of a development arm: its final gap and every judge's score."""
-    study = cmp.STUDIES["dev1" if arm.startswith("d1-") else "dev2"]
+    study = cmp.STUDIES[{"d1": "dev1", "d2": "dev2", "t3": "setting3", "t4": "setting4"}[arm[:2]]]
     names, judges = study.get("names", cmp.NAMES), study["judges"]
     os.makedirs(path)
     last = {"epoch": 2, "gap/weighted": gap, **{f"gap/{n}": gap for n in names},
@@ -331,8 +331,30 @@ def test_the_development_pick_rule(tmp_path, capsys, joint_gain, goes):
                               code=cmp.ROOT, study="dev2")  # fmt: skip
     cmp.report(args)
     table = open(os.path.join(out, "dev2", "table.md")).read()
-    assert "- dev2, λ = 0.4,0.2,0.2,0.2: B = d2-sum" in table
-    assert "- dev1, λ = 0.4,0.2,0.2,0.2: B = d1-uniform" in table  # a tie goes to the first
+    assert "- dev2, λ = 0.4,0.2,0.2,0.2: B = d2-sum; joint" in table
+    assert "- dev1, λ = 0.4,0.2,0.2,0.2: B = d1-uniform; recast" in table  # a tie: the first
     said = "the candidate goes to the test" if goes else "the candidate does not go to the test"
     assert said in table and "so far" not in table
     assert "ReCAST as shipped (recast): worst d -0.030, loses to B in 5 of 10 cells" in table
+
+
+@pytest.mark.parametrize("joint_gain,ships", [(0.03, True), (0.0, False)])
+def test_the_tests_shipping_rule(tmp_path, joint_gain, ships):
+    """Settings 3 and 4: a candidate 0.03 above the better of uniform and sum in every budget of
+    both beats it and becomes the default; one that only ties it nowhere beats it and does not."""
+    out = tmp_path / "sweep"
+    gaps = {"uniform": 0.30, "sum": 0.33, "recast": 0.31, "joint": 0.33 + joint_gain}
+    for lam in cmp.BUDGETS:
+        for prefix in ("t3-", "t4-"):
+            for arm, gap in gaps.items():
+                for seed in range(3):
+                    wobble = 0.001 * (seed == 1) * (arm in ("joint", "recast"))
+                    dev_run(cmp.folder(str(out), lam, prefix + arm, seed), prefix + arm, seed,
+                            gap + 0.01 * seed + wobble, judge=0.5)  # fmt: skip
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "none.jsonl"), seeds=3,
+                              code=cmp.ROOT, study="setting4")  # fmt: skip
+    cmp.report(args)
+    table = open(os.path.join(out, "setting4", "table.md")).read()
+    assert "- setting3, t3-joint against B: 0.4,0.2,0.2,0.2 (sum)" in table
+    said = "becomes the default" if ships else "does not become the default"
+    assert f"- the candidate {said}" in table and "so far" not in table
