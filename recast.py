@@ -500,22 +500,20 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
     epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns
     (W, gains_ema)."""
     with run.observe("weights"):
-        return _weights(run, step_scores, gains_ema, metrics)
-
-
-def _weights(run: "Run", step_scores, gains_ema, metrics: dict):
-    args, K, T = run.args, len(run.names), run.args.steps
-    if step_scores is not None:
-        D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
-        gains = gains.double().cpu()  # D (K, T+1), gains (K, T)
-        gains_ema = (
-            gains if gains_ema is None else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
-        )
-        metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
-    if args.weighting in ("recast", "reversed"):
-        W = recast_weights(gains_ema, run.lam, args.tau, args.floor, args.gain_shift)
-        return (W.flip(1) if args.weighting == "reversed" else W), gains_ema
-    return (run.lam[:, None] / T).expand(K, T).float(), gains_ema
+        args, K, T = run.args, len(run.names), run.args.steps
+        if step_scores is not None:
+            D, gains = renyi_gains(step_scores, args.group_size, args.alpha, args.adv_clip_max)
+            gains = gains.double().cpu()  # D (K, T+1), gains (K, T)
+            gains_ema = (
+                gains
+                if gains_ema is None
+                else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
+            )
+            metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
+        if args.weighting in ("recast", "reversed"):
+            W = recast_weights(gains_ema, run.lam, args.tau, args.floor, args.gain_shift)
+            return (W.flip(1) if args.weighting == "reversed" else W), gains_ema
+        return (run.lam[:, None] / T).expand(K, T).float(), gains_ema
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,11 +704,6 @@ def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
 
 def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
     """Refuse a non-finite metric; append metrics.jsonl, redraw W.png, checkpoint (rank 0)."""
-    with run.observe("save"):
-        _save_epoch(run, m, W, gains_ema, opt_steps, history, last)
-
-
-def _save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
     args, epoch = run.args, m["epoch"]
     bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
     if bad:
@@ -825,7 +818,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             if epoch % args.eval_every == 0 or last:
                 with run.phase(m, "eval"):
                     evals(epoch, m)
-            save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+            with run.observe("save"):  # metrics.jsonl, W.png, checkpoint
+                save_epoch(run, m, W, gains_ema, opt_steps, history, last)
             if stop.signum:  # the same on every rank: they stop after the same epoch
                 run.log(f"stopped after epoch {epoch}; continue: "
                         f"{checkpoints.resume_command(args.out)}")  # fmt: skip

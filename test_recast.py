@@ -350,19 +350,11 @@ def _flawed2(k: int | None, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def base_groups2():
-    """Setting 2's scores of base-model samples, 16 training prompts × 8 images: (K, 16, 8)."""
-    import recast
-
-    world = tw.ToyWorld(torch.device("cpu"))
-    prompts = [p for p in tw.TRAIN_PROMPTS[::4][:16] for _ in range(8)]
-    noise = torch.randn(len(prompts), *world.latent_shape,
-                        generator=torch.Generator().manual_seed(0))  # fmt: skip
-    x0, _ = recast.sample(lambda x, c, t: world.v("ref", x, c, t), noise, world.encode(prompts),
-                          world.sigmas(10))  # fmt: skip
-    ideal = torch.stack([rewards.get(n, "cpu")(tw.render(prompts), prompts) for n in TOY2])
-    scores = torch.stack([rewards.get(n, "cpu")(x0, prompts) for n in TOY2])
-    return scores.view(len(TOY2), -1, 8), ideal.view(len(TOY2), -1, 8)
+def base_groups2(base_groups8):
+    """Setting 2's rows of base_groups8: its scores of base-model samples, 16 training prompts
+    × 8 images, (K, 16, 8), and the ideal renderings'."""
+    rows = [EIGHT.index(n) for n in TOY2]
+    return tuple(x[rows] for x in base_groups8)
 
 
 def test_setting2_rewards_have_headroom_spread_and_are_independent(base_groups2):

@@ -157,8 +157,17 @@ def group_optimality(
     A group whose scores are all equal gets r = 1/2 exactly. Finiteness is checked on CPU tensors
     (on CUDA only with CHECK_VALUES; NaN and inf propagate otherwise).
     """
-    if not isinstance(final_scores, torch.Tensor) or final_scores.ndim < 1:
-        raise ValueError("final_scores must be a tensor of shape (..., N)")
+    _check_final_scores(final_scores, group_size, adv_clip_max, "(..., N)")
+    return _group_optimality(final_scores, group_size, adv_clip_max)
+
+
+def _check_final_scores(final_scores, group_size: int, adv_clip_max: float, shape: str) -> None:
+    """group_optimality's and joint_optimality's checks; `shape` is "(..., N)" or "(K, N)"."""
+    ndim_ok = isinstance(final_scores, torch.Tensor) and (
+        final_scores.ndim >= 1 if shape == "(..., N)" else final_scores.ndim == 2
+    )
+    if not ndim_ok:
+        raise ValueError(f"final_scores must be a tensor of shape {shape}")
     if not final_scores.is_floating_point():
         raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
     _check_group_size(final_scores.shape[-1], group_size)
@@ -166,7 +175,6 @@ def group_optimality(
     if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
         if not bool(torch.isfinite(final_scores).all()):
             raise ValueError("final_scores contains NaN or inf")
-    return _group_optimality(final_scores, group_size, adv_clip_max)
 
 
 def joint_optimality(
@@ -181,17 +189,9 @@ def joint_optimality(
     W = λ/T gives the summed reward's r̄ exactly, clip included. A group whose summed score is
     constant gets r = 1/2 for every reward, as the summed reward does.
     """
-    if not isinstance(final_scores, torch.Tensor) or final_scores.ndim != 2:
-        raise ValueError("final_scores must be a tensor of shape (K, N)")
-    if not final_scores.is_floating_point():
-        raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
+    _check_final_scores(final_scores, group_size, adv_clip_max, "(K, N)")
     if not isinstance(lam, torch.Tensor) or lam.shape != final_scores.shape[:1]:
         raise ValueError(f"lam must have shape ({final_scores.shape[0]},), one budget per reward")
-    _check_group_size(final_scores.shape[-1], group_size)
-    _check_adv_clip_max(adv_clip_max)
-    if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
-        if not bool(torch.isfinite(final_scores).all()):
-            raise ValueError("final_scores contains NaN or inf")
     summed = (lam.to(final_scores) @ final_scores).unflatten(-1, (-1, group_size))  # (M, G)
     s = final_scores.unflatten(-1, (-1, group_size))  # (K, M, G)
     std = summed.std(-1, correction=0, keepdim=True)

@@ -25,6 +25,14 @@ OFFSETS = {
 IOU = {"recast-shift2": (-0.05, -0.06)}  # final iou's offset from every other arm's: a judge loss
 
 
+def write_run(path: str, lines: list[dict]) -> None:
+    """A finished run folder: its metrics.jsonl lines and a summary.json."""
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    with open(os.path.join(path, "summary.json"), "w") as f:
+        f.write("{}")
+
+
 def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
     """metrics.jsonl with an eval every 2 epochs up to epoch 4, and summary.json (finished)."""
     os.makedirs(path)
@@ -39,10 +47,7 @@ def fake_run(path: str, lam_index: int, arm: str, seed: int) -> None:
             m.update({f"gap/{n}": epoch / 40 for n in names})
             m["gap/weighted"] = final * epoch / 4
         lines.append(m)
-    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in lines)
-    with open(os.path.join(path, "summary.json"), "w") as f:
-        f.write("{}")
+    write_run(path, lines)
 
 
 @pytest.fixture
@@ -206,10 +211,7 @@ def fake_setting_run(path: str, arm: str, seed: int, images=None, bump: float = 
             m.update({f"gap/{n}": epoch / 40 for n in names})
             m["gap/weighted"] = final * epoch / 4
         lines.append(m)
-    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in lines)
-    with open(os.path.join(path, "summary.json"), "w") as f:
-        f.write("{}")
+    write_run(path, lines)
     if images is not None:
         prompts = tw.HELDOUT_PROMPTS[:4]
         index = {"epoch": 4, "prompts": prompts, "noise_sha256": "same"}
@@ -299,10 +301,7 @@ def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
     last = {"epoch": 2, "gap/weighted": gap, **{f"gap/{n}": gap for n in names},
             **{f"eval/{j}": judge for j in judges}, "W": [[0.025] * 10] * 4}  # fmt: skip
     lines = [{"epoch": 0, **{f"eval/{n}": 0.0 for n in names + judges}}, last]
-    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in lines)
-    with open(os.path.join(path, "summary.json"), "w") as f:
-        f.write("{}")
+    write_run(path, lines)
 
 
 @pytest.mark.parametrize("joint_gain,goes", [(0.03, True), (-0.03, False)])
