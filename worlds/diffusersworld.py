@@ -13,7 +13,7 @@ own scheduler, and noising is x_t = (1 - t)·x0 + t·ε, both in the family's ow
 A family part (sd3world.py, fluxworld.py, flux2world.py, qwenimageworld.py; families.py picks one
 from model_index.json) is a module that says how its family differs, and nothing else:
     PIPELINE, NAME            the diffusers pipeline class it serves, and a name for messages
-    LORA_TARGETS              the transformer's modules that take adapters (peft name suffixes)
+    LORA_TARGETS              the transformer's Linear layers that take adapters (name suffixes)
     ENCODE_CHUNK, DECODE_CHUNK  prompts per text-encoder forward, latents per VAE decode
     check(configs, args)      flags the family needs or refuses (BadInput), from the configs
     latent_shape(pipe, resolution)  one image's latents in the layout the transformer reads
@@ -126,6 +126,15 @@ def check_resolution(args, step: int, family: str) -> None:
                        f"latent patch, {step} px (VAE × patch side): use e.g. {near}")  # fmt: skip
 
 
+def lora_targets(transformer: torch.nn.Module, suffixes: list[str]) -> list[str]:
+    """The full names of the transformer's Linear layers whose names end with one of `suffixes`
+    (at a dot), in module order: what peft adapts. Matching Linear layers only lets a suffix name
+    a layer whose name another block type uses for a container (FLUX.2-klein's single-stream
+    `attn.to_out` is a Linear, its double-stream `attn.to_out` a ModuleList)."""
+    hit = lambda name: any(name == s or name.endswith("." + s) for s in suffixes)  # noqa: E731
+    return [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and hit(n)]
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along the batch, zero-padding dim 1 (tokens) to the longest first: a family
     whose prompts take varying lengths (with a mask) comes in chunks of different lengths."""
@@ -182,6 +191,7 @@ class DiffusersWorld:
         self.latent_shape = family.latent_shape(pipe, args.resolution)
         # Adapters drawn from --seed alone, on any rank and whatever drew from the RNG before (DDP
         # would also copy rank 0's at wrap time): lora_A random, lora_B zero, so θ = θ_old = base.
+        targets = lora_targets(transformer, family.LORA_TARGETS)  # before peft wraps them
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
             for name in ("default", "old"):
@@ -189,7 +199,7 @@ class DiffusersWorld:
                     r=args.lora_rank,
                     lora_alpha=args.lora_alpha,
                     init_lora_weights="gaussian",
-                    target_modules=family.LORA_TARGETS,
+                    target_modules=targets,
                 )
                 transformer.add_adapter(config, adapter_name=name)
         transformer.set_adapter("default")  # trainable: only "default" requires grad

@@ -22,13 +22,16 @@ from worlds import diffusersworld
 from worlds.diffusersworld import BadInput
 
 PIPELINE, NAME = "Flux2KleinPipeline", "FLUX.2-klein"
-# the double-stream blocks' attention projections (image to_*, text add_*, to_add_out) and the
-# single-stream blocks' fused attention-and-MLP input projection (their output projection shares
-# the suffix attn.to_out with the double blocks' ModuleList, which peft cannot adapt)
+# the double-stream blocks' attention projections (image to_*, text add_*, to_add_out) and
+# feed-forwards (ff, ff_context: linear_in, linear_out), and both of the single-stream blocks'
+# layers: the fused attention-and-MLP input projection and the output projection attn.to_out
+# (DiffSynth-Studio's FLUX.2-klein LoRA layers). Only Linear layers are adapted, so attn.to_out
+# names the single blocks' Linear, not the double blocks' ModuleList of the same name
 LORA_TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-    "attn.to_qkv_mlp_proj",
+    "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj", "attn.to_out",
 ]  # fmt: skip
 MAX_SEQUENCE_LENGTH = 512  # Qwen3 tokens per prompt: the pipeline's default
 DECODE_CHUNK = 8
@@ -86,8 +89,8 @@ def inputs(pipe, x: torch.Tensor, cond, t: torch.Tensor, args) -> dict:
 
 
 def decode(pipe, z: torch.Tensor) -> torch.Tensor:
-    vae, (side, ids) = pipe.vae, _grid(pipe, z)
-    z = pipe._unpack_latents_with_ids(z, ids, side, side)  # (B, 4·C, h/2, w/2)
+    vae, (_, ids) = pipe.vae, _grid(pipe, z)
+    z = pipe._unpack_latents_with_ids(z, ids)  # (B, 4·C, h/2, w/2); diffusers 0.37 takes 2 args
     mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
     z = pipe._unpatchify_latents(z * std + mean)

@@ -1,8 +1,8 @@
 """FLUX.1-dev and FLUX.1-schnell (`FluxPipeline`): the family part of the diffusers world.
 
 How FLUX.1 differs from SD3 (worlds/sd3world.py):
-- text: CLIP-L's pooled embedding and T5-XXL's 512 tokens (no CLIP tokens in the sequence), and
-  position ids for the text tokens (zeros);
+- text: CLIP-L's pooled embedding and T5-XXL's 512 tokens (-schnell: 256, its pipeline's limit; no
+  CLIP tokens in the sequence), and position ids for the text tokens (zeros);
 - time: the transformer reads σ ∈ [0, 1] (it multiplies by 1000 itself), not t·1000;
 - latents: 2×2 patches of the VAE's 16 channels packed into tokens of 64, (h/2 · w/2, 64), with
   (row, column) position ids; the VAE's scaling and shift are undone after unpacking;
@@ -20,14 +20,17 @@ from worlds import diffusersworld
 from worlds.diffusersworld import BadInput
 
 PIPELINE, NAME = "FluxPipeline", "FLUX.1"
-# the attention projections of the double-stream blocks (image to_*, text add_*) and the
-# single-stream blocks' to_q/k/v (their output is fused with the MLP's in proj_out): peft matches
-# suffixes, as for SD3
+# the double-stream blocks' attention projections (image to_*, text add_*) and feed-forwards (ff,
+# ff_context), and the single-stream blocks' to_q/k/v (their output is fused with the MLP's in
+# proj_out): diffusers' FLUX LoRA script's layers, which Flow-GRPO and Flow-Factory adapt too
 LORA_TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
 ]  # fmt: skip
-MAX_SEQUENCE_LENGTH = 512  # T5 tokens per prompt: the pipeline's default
+# T5 tokens per prompt: the pipeline's default for -dev; -schnell was trained on 256 (its
+# pipeline's limit, and its model card's value)
+MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 DECODE_CHUNK = 8
 ENCODE_CHUNK = 8
 GUIDANCE = 3.5  # FLUX.1-dev's model card
@@ -68,10 +71,10 @@ def schedule(pipe, steps: int, latent_shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def encode(pipe, prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T5 prompt_embeds (B, 512, D), CLIP pooled (B, D'))."""
-    embeds, pooled, _ = pipe.encode_prompt(
-        prompts, None, device=device, max_sequence_length=MAX_SEQUENCE_LENGTH
-    )
+    """(T5 prompt_embeds (B, 512 or 256, D), CLIP pooled (B, D'))."""
+    tokens = MAX_SEQUENCE_LENGTH["dev" if pipe.transformer.config.guidance_embeds else "schnell"]
+    embeds, pooled, _ = pipe.encode_prompt(prompts, None, device=device,
+                                           max_sequence_length=tokens)  # fmt: skip
     return embeds, pooled
 
 

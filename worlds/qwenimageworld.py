@@ -22,10 +22,12 @@ from worlds import diffusersworld
 from worlds.diffusersworld import BadInput
 
 PIPELINE, NAME = "QwenImagePipeline", "Qwen-Image"
-# the joint attention's image (to_*) and text (add_*, to_add_out) projections of every block
+# the joint attention's image (to_*) and text (add_*, to_add_out) projections and the image and
+# text feed-forwards (img_mlp, txt_mlp) of every block: Flow-GRPO's and verl-omni's layers
 LORA_TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+    "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
 ]  # fmt: skip
 MAX_SEQUENCE_LENGTH = 1024  # prompt tokens after the template: the pipeline's limit
 DECODE_CHUNK = 4  # a video VAE: twice SD3's decoder activations per image

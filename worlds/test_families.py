@@ -31,7 +31,7 @@ PART = {"sd3": "sd3world", "flux-dev": "fluxworld", "flux-schnell": "fluxworld",
 VARIANTS = {v: (PART[v], flags) for v, flags in modelzoo.TINY_FAMILIES.items()}
 # what each pipeline's __call__ needs to sample CFG-free, as the world does
 PIPELINE_CALL = {"sd3": {"guidance_scale": 1.0}, "flux-dev": {"guidance_scale": 3.5},
-                 "flux-schnell": {}, "qwen-image": {},
+                 "flux-schnell": {"max_sequence_length": 256}, "qwen-image": {},
                  "flux2-klein": {"guidance_scale": 1.0}}  # fmt: skip
 PARTS = {p.__name__: p for p in families.PARTS.values()}
 
@@ -75,9 +75,10 @@ def world_of(variant, folder, prompts_file):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_velocity_schedule_and_decode_match_the_pipeline(variant, tiny_dirs, prompts_file):
-    """The diffusers pipeline samples 3 steps from its own noise; at each step its transformer's
-    input and output are recorded. The world's reference velocity on the recorded latents, the
-    world's encoding of the same prompt and the world's σ_i equals the recorded output (fp32),
+    """The diffusers pipeline samples 3 steps from its own noise for three prompts of different
+    lengths; at each step its transformer's input and output are recorded. The world's reference
+    velocity on the recorded latents, the world's encoding of the same prompts (Qwen-Image's
+    with a mask) and the world's σ_i equals the recorded output (fp32),
     the world's σ equal the scheduler's, and the world decodes the final latents to the
     pipeline's image."""
     import diffusers
@@ -93,18 +94,22 @@ def test_velocity_schedule_and_decode_match_the_pipeline(variant, tiny_dirs, pro
         lambda m, a, kw, out: calls.append((kw["hidden_states"].clone(), out[0].clone())),
         with_kwargs=True,
     )
-    prompt = PROMPTS[4]
-    image = pipe(prompt=prompt, num_inference_steps=3, height=32, width=32, output_type="pt",
+    prompts = [PROMPTS[4], "a cat", "a small gold boat under a tall green tree by a red cat"]
+    image = pipe(prompt=prompts, num_inference_steps=3, height=32, width=32, output_type="pt",
                  generator=torch.Generator().manual_seed(0), **PIPELINE_CALL[variant],
                  callback_on_step_end=lambda p, i, t, kw: finals.append(kw["latents"]) or kw,
                  ).images  # fmt: skip
     hook.remove()
     sigmas = world.sigmas(3)
     assert torch.allclose(sigmas, pipe.scheduler.sigmas.float(), atol=1e-6)
-    assert len(calls) == 3 and calls[0][0].shape[1:] == world.latent_shape
-    cond = world.encode([prompt])
+    assert len(calls) == 3 and calls[0][0].shape == (3, *world.latent_shape)
+    cond = world.encode(prompts)
+    if variant == "qwen-image":  # prompts of different lengths: the mask path is compared
+        assert not cond[1].all()
+    if variant.startswith("flux-"):  # T5 tokens: -schnell's pipeline allows 256
+        assert cond[0].shape[1] == (256 if variant == "flux-schnell" else 512)
     for i, (x, expected) in enumerate(calls):
-        v = world.v("ref", x, cond, sigmas[i].expand(1))
+        v = world.v("ref", x, cond, sigmas[i].expand(3))
         assert v.abs().max() > 1e-3  # a velocity that could differ
         assert torch.allclose(v, expected, atol=1e-5, rtol=1e-4), (i, (v - expected).abs().max())
     decoded = world.decode(finals[-1])
@@ -129,12 +134,67 @@ def test_velocity_does_not_depend_on_the_batch(variant, tiny_dirs, prompts_file)
     assert torch.allclose(together, alone, atol=1e-5, rtol=1e-4)
 
 
+ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
+             "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]  # fmt: skip
+# variant: {block type: the Linear layers of one block that take adapters (docs/models.md)}
+ADAPTED = {
+    "sd3": {"transformer_blocks": ATTENTION},
+    "flux-dev": {"transformer_blocks": [*ATTENTION, "ff.net.0.proj", "ff.net.2",
+                                        "ff_context.net.0.proj", "ff_context.net.2"],
+                 "single_transformer_blocks": ["attn.to_q", "attn.to_k", "attn.to_v"]},
+    "qwen-image": {"transformer_blocks": [*ATTENTION, "img_mlp.net.0.proj", "img_mlp.net.2",
+                                          "txt_mlp.net.0.proj", "txt_mlp.net.2"]},
+    "flux2-klein": {"transformer_blocks": [*ATTENTION, "ff.linear_in", "ff.linear_out",
+                                           "ff_context.linear_in", "ff_context.linear_out"],
+                    "single_transformer_blocks": ["attn.to_qkv_mlp_proj", "attn.to_out"]},
+}  # fmt: skip
+ADAPTED["flux-schnell"] = ADAPTED["flux-dev"]
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_lora_target_names_a_module(variant, tiny_dirs, prompts_file):
+def test_lora_adapts_the_expected_layers_of_every_block(variant, tiny_dirs, prompts_file):
+    """Every block of each type carries adapters on exactly those of the expected Linear layers
+    it has (a layer missing from LORA_TARGETS fails here, as does one adapted that should not
+    be), and nothing outside the blocks is adapted."""
+    import re
+
     world, _ = world_of(variant, tiny_dirs(variant), prompts_file)
-    adapted = {k.split(".lora_")[0] for k in world.lora}
-    for target in world.family.LORA_TARGETS:
-        assert any(name.endswith(target) for name in adapted), target
+    adapted = {k.split(".lora_")[0] for k in world.lora}  # "blocks.3.attn.to_q"
+    linears = [
+        n.removesuffix(".base_layer")
+        for n, m in world.transformer.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".lora_" not in n
+    ]  # peft wraps the adapted
+    found: dict[str, dict[str, set]] = {}
+    for name in adapted:
+        m = re.fullmatch(r"(\w+)\.(\d+)\.(.+?)(\.base_layer)?", name)
+        assert m and m.group(1) in ADAPTED[variant], f"adapted outside the blocks: {name}"
+        found.setdefault(m.group(1), {}).setdefault(m.group(2), set()).add(m.group(3))
+    assert set(found) == set(ADAPTED[variant])
+    for kind, expected in ADAPTED[variant].items():
+        blocks = {n.split(".")[1] for n in linears if n.startswith(kind + ".")}
+        assert set(found[kind]) == blocks, kind  # every block of the type
+        seen = set()
+        for block, layers in found[kind].items():  # SD3's last block has no text output layer
+            has = {n.split(".", 2)[2] for n in linears if n.startswith(f"{kind}.{block}.")}
+            assert layers == set(expected) & has, (kind, block, (set(expected) & has) ^ layers)
+            seen |= layers
+        assert seen == set(expected), kind  # each expected layer is adapted somewhere
+
+
+def test_flux2_klein_decodes_with_the_oldest_diffusers_call(tiny_dirs, prompts_file, monkeypatch):
+    """diffusers 0.37 (requirements.txt's floor) has Flux2KleinPipeline._unpack_latents_with_ids
+    take (x, x_ids) only; decode works with that signature and gives the same images. (The whole
+    family test against 0.37 itself: docs/models.md.)"""
+    import diffusers
+
+    world, _ = world_of("flux2-klein", tiny_dirs("flux2-klein"), prompts_file)
+    z = torch.randn(2, *world.latent_shape, generator=torch.Generator().manual_seed(0))
+    now = world.decode(z)
+    newer = diffusers.Flux2KleinPipeline._unpack_latents_with_ids
+    monkeypatch.setattr(diffusers.Flux2KleinPipeline, "_unpack_latents_with_ids",
+                        staticmethod(lambda x, x_ids: newer(x, x_ids)))  # fmt: skip
+    assert torch.equal(world.decode(z), now)
 
 
 def recast_exit(capsys, *flags) -> str:
