@@ -18,6 +18,7 @@ DESIGN.md gives every formula; the phases below carry its section numbers.
     python recast.py --model ./sd3.5-medium --rewards pickscore,hpsv2,clipscore,aesthetic \\
         --lambda 0.4,0.2,0.2,0.2 --prompts-file prompts.txt          # one GPU
     torchrun --nproc_per_node=8 recast.py --model ./sd3.5-medium ...  # DDP, several GPUs
+    torchrun --nproc_per_node=8 recast.py --model ./FLUX.1-dev --shard ...  # FSDP2: sharded
 
 Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion Reinforcement"
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).
@@ -41,7 +42,7 @@ from plumbing import cli
 @dataclass
 class Args:
     # a flag's value in runs made before the flag existed (their args.json lacks it)
-    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward"}
+    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward", "shard": False}
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
@@ -131,6 +132,10 @@ class Args:
     """LoRA alpha"""
     grad_checkpointing: bool = False
     """trade compute for memory in the transformer"""
+    shard: bool = False
+    """under torchrun: shard the transformer (base weights and adapters) and the text encoders
+    across the ranks, layer by layer (FSDP2), instead of a whole copy on every GPU (DDP); for the
+    models that do not fit one GPU (docs/models.md)"""
     guidance: float = 0.0
     """the guidance-embedding input of a guidance-distilled transformer (FLUX.1-dev: 3.5, its
     model card's value); 0: the family has none"""
@@ -189,7 +194,7 @@ from kernels.renyi import (
     renyi_gains,
 )
 from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
-from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks
+from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
 from plumbing.plots import timestep_centroid
 from plumbing.seeding import epoch_generator
 from worlds import hub, toyworld
@@ -210,7 +215,7 @@ class World(Protocol):
     latent_shape: tuple[int, ...]  # one image's latent: (C, H, W), or (tokens, channels)
     judge_names: list[str]  # held-out judges when --judges is not given
     trainable: torch.nn.Module  # what the optimizer trains (the LoRA adapters, or the toy model)
-    policy: torch.nn.Module  # the trainable, wrapped in DDP under torchrun
+    policy: torch.nn.Module  # the trainable, wrapped in DDP under torchrun (without --shard)
 
     def sigmas(self, steps: int) -> torch.Tensor: ...  # (T+1,): 1 = noise > … > 0 = image
 
@@ -227,6 +232,11 @@ class World(Protocol):
     def state_dict(self) -> dict[str, torch.Tensor]: ...
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    # --shard (diffusers worlds only): the modules to shard, and what to redo once they are
+    def shardable(self) -> list[torch.nn.Module]: ...
+
+    def sharded(self) -> None: ...
 
 
 @dataclass
@@ -349,6 +359,12 @@ def setup(argv: list[str] | None) -> "Run":
     if args.weighting == "sum" and cli.given(argv, ["normalize"]):
         cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
                  "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
+    if args.shard and not is_diffusers(args.model):
+        cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
+                 "diffusers models, --model)")  # fmt: skip
+    if args.shard and not distributed:
+        cli.fail("--shard", "shards the models across torchrun's processes: launch with "
+                 "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip
     if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
         cli.fill_defaults(args, argv, {"gain_shift": 0})
     chosen = scoring_defaults(args, argv)
@@ -394,6 +410,11 @@ def setup(argv: list[str] | None) -> "Run":
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
         cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
                  f"{world_size} processes: hold out at least one per process")  # fmt: skip
+    held = len(world.eval_prompts) * args.eval_seeds
+    if args.shard and held % world_size:  # sharded forwards are collectives: equal shares
+        cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {len(world.eval_prompts)}"
+                 f" held-out prompts × --eval-seeds {args.eval_seeds} is not a multiple of "
+                 f"{world_size} processes")  # fmt: skip
     scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
     for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
         try:  # a reward model missing (file, package, hub access) is bad input too
@@ -401,7 +422,10 @@ def setup(argv: list[str] | None) -> "Run":
         except (ImportError, OSError, ValueError) as e:
             cli.fail(flag, f"could not load a reward model: {e}")
     reward_fns = {n: scorers[n] for n in names}
-    if distributed:
+    if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md)
+        shard_models(world.shardable(), device)
+        world.sharded()
+    elif distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
     params = [p for p in world.trainable.parameters() if p.requires_grad]
@@ -665,9 +689,10 @@ class EvalSet:
             metrics.update({f"gap/{k}": v for k, v in gap.items()})
             lam, names = self.run.lam, self.run.names
             metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
+        if self.base_images is None and (self.run.rank == 0 or self.run.args.shard):
+            _, self.base_images = self.score("ref", {})  # resumed: redraw, unscored (sharded
+            # forwards are collectives: every rank draws, rank 0 keeps them)
         if self.run.rank == 0:
-            if self.base_images is None:  # resumed: redraw, unscored, as no other rank is here
-                _, self.base_images = self.score("ref", {})
             save_samples(self.run.args, self.base_images, images, self.ideal,
                          self.run.world.eval_prompts, epoch)  # fmt: skip
 
@@ -712,6 +737,10 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
             f"the last good checkpoint in {args.out}/ckpt is kept"
         )
     history.append(m)
+    saving = epoch % args.ckpt_every == 0 or last
+    if saving:  # every rank: a sharded run gathers the shards here
+        tensors = run.world.state_dict()
+        optim = distributed.optimizer_state(run.world.trainable, run.optimizer, args.shard)
     if run.rank == 0:
         checkpoints.append_metrics(args.out, m)
         profiles = (
@@ -723,11 +752,10 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
         )  # fmt: skip
         if run.tensorboard:
             run.tensorboard.epoch(m, args.out)
-        if epoch % args.ckpt_every == 0 or last:
+        if saving:
             gains_list = gains_ema.tolist() if gains_ema is not None else None
             state = {"opt_steps": opt_steps, "gains_ema": gains_list}
-            checkpoints.save(args.out, epoch, run.world.state_dict(), run.optimizer.state_dict(),
-                            state)  # fmt: skip
+            checkpoints.save(args.out, epoch, tensors, optim, state)
     run.log(log_line(m, run.names, W))
 
 

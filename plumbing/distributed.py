@@ -146,3 +146,65 @@ def lost_rank_exits(run_dir: str):
     except RuntimeError as e:
         exit_if_rank_lost(e, run_dir)  # returns for any other error
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# --shard: FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP
+# ---------------------------------------------------------------------------------------------
+def _layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated layers of a model: the children of each outermost ModuleList whose children
+    all share one class and hold parameters (a transformer's blocks, a text encoder's layers; one
+    block is a layer too). The adapters live in them, never in the root, whose parameters FSDP2
+    keeps gathered after a forward: peft's switching of adapters must meet the sharded ones."""
+    found, inside = [], []
+    for name, m in module.named_modules():
+        if any(name.startswith(p + ".") for p in inside) or not isinstance(m, torch.nn.ModuleList):
+            continue
+        kids = list(m)
+        if (
+            kids
+            and len({type(k) for k in kids}) == 1
+            and next(kids[0].parameters(), None) is not None
+        ):
+            found += kids
+            inside.append(name)
+    return found
+
+
+def shard_models(modules: list[torch.nn.Module], device: torch.device) -> None:
+    """Shard each module across every rank with FSDP2: each of its repeated layers, then the rest
+    (the root). Each rank keeps 1/N of every parameter, frozen or trained, and gathers a layer's
+    whole for its forward and backward. On CUDA the layers compute in bf16 and reduce gradients in
+    fp32; the sharded trainable weights, their gradients and AdamW's state stay fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    bf16 = device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                              reduce_dtype=torch.float32)  # fmt: skip
+    for module in modules:
+        for layer in _layers(module):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(module, mesh=mesh, mp_policy=mp)
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool):
+    """The optimizer's state as a checkpoint keeps it: under --shard gathered whole (every rank
+    must call it; parameters keyed by name, so a run resumes on any number of ranks)."""
+    if not sharded:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
+    """optimizer_state's inverse: every rank reads the whole state and keeps its shard."""
+    if not sharded:
+        return optimizer.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -22,7 +22,7 @@ from plumbing.checkpoints import (
     write_failed,
     write_json_atomic,
 )
-from plumbing.distributed import exit_if_rank_lost
+from plumbing.distributed import exit_if_rank_lost, load_optimizer_state
 from plumbing.seeding import set_rng_state
 
 _locks: dict[str, int] = {}  # run folder → the descriptor of its .lock, held for life
@@ -64,7 +64,7 @@ def start_or_resume(args, world, optimizer, rank: int, log=print):
         if ckpt is not None:
             tensors, optim_state, state = ckpt
             world.load_state_dict({k: v.to(world.device) for k, v in tensors.items()})
-            optimizer.load_state_dict(optim_state)
+            load_optimizer_state(world.trainable, optimizer, optim_state, args.shard)
             set_rng_state(state["rng"])
             start, opt_steps = state["epoch"] + 1, state["opt_steps"]
             if state["gains_ema"] is not None:

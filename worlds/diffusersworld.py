@@ -135,6 +135,22 @@ def lora_targets(transformer: torch.nn.Module, suffixes: list[str]) -> list[str]
     return [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and hit(n)]
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor (DTensor) gathered whole on every rank; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`whole` sharded as `t` is, when `t` is a DTensor (each rank keeps its shard)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(t, DTensor):
+        return whole
+    return distribute_tensor(whole.to(t.device_mesh.device_type), t.device_mesh, t.placements)
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along the batch, zero-padding dim 1 (tokens) to the longest first: a family
     whose prompts take varying lengths (with a mask) comes in chunks of different lengths."""
@@ -203,21 +219,38 @@ class DiffusersWorld:
                 )
                 transformer.add_adapter(config, adapter_name=name)
         transformer.set_adapter("default")  # trainable: only "default" requires grad
-        params = dict(transformer.named_parameters())
-        self.lora = {k: p for k, p in params.items() if ".default." in k or ".old." in k}
+        self.transformer = transformer
+        self._collect_adapters()
         for p in self.lora.values():  # adapters and their EMA in fp32 (peft makes them bf16 here)
             p.data = p.data.float()
-        self._pairs = [  # (θ_old, θ) tensor by tensor
-            (params[k.replace(".default.", ".old.")], p)
-            for k, p in params.items()
-            if ".default." in k
-        ]
         with torch.no_grad():
             for p_old, p in self._pairs:
                 p_old.copy_(p)  # θ_old = θ
         if args.grad_checkpointing:
             transformer.enable_gradient_checkpointing()
         self.transformer = self.trainable = self.policy = transformer.to(device)
+
+    def _collect_adapters(self) -> None:
+        """self.lora (the two adapters' tensors by peft name) and self._pairs ((θ_old, θ) tensor by
+        tensor), from the transformer's parameters as they are now (sharding replaces them)."""
+        params = dict(self.transformer.named_parameters())
+        self.lora = {k: p for k, p in params.items() if ".default." in k or ".old." in k}
+        self._pairs = [
+            (params[k.replace(".default.", ".old.")], p)
+            for k, p in params.items()
+            if ".default." in k
+        ]
+
+    def shardable(self) -> list[torch.nn.Module]:
+        """What `recast.py --shard` shards layer by layer across the ranks (FSDP2): the
+        transformer (its base weights and both adapters) and the text encoders (docs/models.md)."""
+        encoders = [getattr(self.pipe, n, None) for n in ("text_encoder", "text_encoder_2",
+                                                            "text_encoder_3")]  # fmt: skip
+        return [self.transformer, *[e for e in encoders if e is not None]]
+
+    def sharded(self) -> None:
+        """After sharding: the adapters' tensors are the sharded ones now."""
+        self._collect_adapters()
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """t_0 = 1 > … > t_T = 0: the family's schedule, from the pipeline's scheduler (§1)."""
@@ -283,8 +316,9 @@ class DiffusersWorld:
             p_old.lerp_(p, 1 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The two adapters, under peft's parameter names (".default." and ".old.")."""
-        return {k: p.detach() for k, p in self.lora.items()}
+        """The two adapters, whole, under peft's parameter names (".default." and ".old."). When
+        sharded, every rank must call it: it gathers each tensor's shards."""
+        return {k: _whole(p.detach()) for k, p in self.lora.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.lora):
@@ -292,4 +326,4 @@ class DiffusersWorld:
             raise KeyError(f"checkpoint and adapters differ in {len(differ)} tensors: {differ[:3]}")
         with torch.no_grad():
             for k, p in self.lora.items():
-                p.copy_(state[k])
+                p.copy_(_like(state[k], p))

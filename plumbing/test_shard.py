@@ -1,0 +1,189 @@
+"""`recast.py --shard` (FSDP2) on 2 CPU processes (gloo), with the tiny SD3 and FLUX.1-dev
+pipelines modelzoo builds (random weights, nothing downloaded):
+- a sharded run equals the DDP run of the same flags: the same metrics and LoRA weights within
+  SHARD_ATOL (why that much: below);
+- one epoch, then --resume, equals two epochs, sharded: bit for bit; it resumes on 1 rank too;
+- SIGTERM finishes the epoch on every rank and resumes to the same numbers; a rank killed ends the
+  run in seconds naming the --resume command; a second launch on a live run folder exits 2;
+- bad input: --shard without torchrun, or with the toy world, exits 2 naming the flag.
+The torchrun tests are slow (minutes on 2 cores): python -m pytest -q -m slow plumbing/test_shard.py
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks import modelzoo
+from plumbing.test_faults import hold_lock, start, stopped_message, wait_for_epochs, workers
+from test_recast import HERE, metrics_of
+
+RECAST = os.path.join(HERE, "recast.py")
+# DDP all-reduces each gradient whole; FSDP2 reduce-scatters it in shards and clips by a norm summed
+# from the shards: the same sums in another order, so fp32 rounding (~1e-7 relative) differs, and
+# AdamW's normalised steps at --lr 1e-2 carry it through two epochs. Measured: 4e-6 (SD3) and 7e-6
+# (FLUX.1-dev) on weights of size ~1; 1e-4 leaves room, and a wrong shard (a rank's gradient
+# dropped or counted twice) moves the weights by ~1e-2.
+SHARD_ATOL = 1e-4
+FLAGS = ["--rewards", "pickscore,aesthetic", "--lambda", "0.5,0.5", "--prompts", "2",
+         "--group-size", "2", "--steps", "3", "--batch-size", "4", "--eval-seeds", "2",
+         "--resolution", "32", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2",
+         "--device", "cpu"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"sd3": folder, "flux-dev": folder, "env": the reward models' variables, "prompts",
+    "held_out": files}."""
+    root = tmp_path_factory.mktemp("shard")
+    torch.manual_seed(0)
+    found = {v: modelzoo.tiny_family(v, root / v) for v in ("sd3", "flux-dev")}
+    torch.manual_seed(1)
+    found["env"] = {**os.environ, "OMP_NUM_THREADS": "1",
+                    **modelzoo.tiny_reward_models(root / "rewards")}  # fmt: skip
+    colours, things = ("red", "green", "blue", "gold"), ("cat", "boat", "tree")
+    (root / "prompts.txt").write_text("\n".join(f"a {c} {t}" for c in colours for t in things))
+    (root / "held_out.txt").write_text("a purple cat\na purple boat\n")
+    found["prompts"], found["held_out"] = str(root / "prompts.txt"), str(root / "held_out.txt")
+    return found
+
+
+def flags_of(models, variant: str, *more: str) -> list[str]:
+    guidance = ["--guidance", "3.5"] if variant == "flux-dev" else []
+    return ["--model", models[variant], *guidance, "--prompts-file", models["prompts"],
+            "--eval-prompts-file", models["held_out"], *FLAGS, *more]  # fmt: skip
+
+
+def torchrun(out, *flags) -> list[str]:
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", RECAST, *flags,
+            "--out", str(out)]  # fmt: skip
+
+
+def run2(models, out, *flags) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, *torchrun(out, *flags)], cwd=HERE, env=models["env"],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def lora(out, epoch: int) -> dict[str, torch.Tensor]:
+    return load_file(out / "ckpt" / f"epoch_{epoch:04d}" / "model.safetensors")
+
+
+def numbers(m: dict) -> dict:
+    """A metrics line without what may differ between equal runs (times, the ranks' digest)."""
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "mem/", "dist/"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["sd3", "flux-dev"])
+def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
+    """Two epochs under --shard and under DDP: the same rollouts and W, rewards, evals and loss
+    within 1e-4 relative (docs/sd35.md's torchrun tolerance), the LoRA weights within SHARD_ATOL,
+    and the adapters trained (lora_B moved off zero)."""
+    flags = flags_of(models, variant, "--epochs", "2")
+    run2(models, tmp_path / "shard", *flags, "--shard")
+    run2(models, tmp_path / "ddp", *flags)
+    sharded, ddp = metrics_of(tmp_path / "shard"), metrics_of(tmp_path / "ddp")
+    assert [m["epoch"] for m in sharded] == [0, 1, 2] == [m["epoch"] for m in ddp]
+    for a, b in zip(sharded, ddp, strict=True):
+        a, b = numbers(a), numbers(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            got, want = torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k])
+            assert torch.allclose(got, want.double(), rtol=1e-4, atol=1e-6), (k, a[k], b[k])
+    x, y = lora(tmp_path / "shard", 2), lora(tmp_path / "ddp", 2)
+    assert x.keys() == y.keys()
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < SHARD_ATOL
+    assert max(x[k].abs().max().item() for k in x if "lora_B.default" in k) > 1e-3
+
+
+@pytest.mark.slow
+def test_sharded_resume_is_exact_and_sigterm_stops_every_rank(models, tmp_path):
+    """One epoch, then --resume to two, equals two epochs without a stop, bit for bit (weights,
+    optimizer state, metrics); the checkpoint holds the whole state, so the run resumes on 1
+    rank too. A second launch on a folder whose run is live exits 2 (the run lock). A run stopped
+    by SIGTERM to the launcher finishes its epoch on every rank, checkpoints it and resumes to
+    the same numbers."""
+    flags = flags_of(models, "sd3", "--shard")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run2(models, whole, *flags, "--epochs", "2")
+    run2(models, part, *flags, "--epochs", "1")
+    run2(models, part, "--resume", "--epochs", "2")
+    assert lora(part, 2).keys() == lora(whole, 2).keys()
+    assert all(torch.equal(lora(part, 2)[k], lora(whole, 2)[k]) for k in lora(whole, 2))
+    opt = [torch.load(o / "ckpt/epoch_0002/optim.pt")["state"] for o in (part, whole)]
+    assert opt[0].keys() == opt[1].keys() and all(
+        torch.equal(opt[0][p][s], opt[1][p][s]) for p in opt[1] for s in opt[1][p]
+    )
+    common = lambda m, n: {k: v for k, v in numbers(m).items() if k in n}  # noqa: E731
+    for a, b in zip(metrics_of(part), metrics_of(whole), strict=True):
+        assert common(a, b) == common(b, a)
+
+    fewer = tmp_path / "fewer"  # the whole state is saved, so another number of ranks resumes
+    shutil.copytree(whole, fewer)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node=1", RECAST, "--out", str(fewer), "--resume", "--epochs", "3"],
+                   cwd=HERE, env=models["env"], check=True, capture_output=True)  # fmt: skip
+    assert [m["epoch"] for m in metrics_of(fewer)] == [0, 1, 2, 3]
+
+    held = hold_lock(part)  # a live run holds its folder: a second launch exits 2 at once
+    try:
+        second = subprocess.run([sys.executable, *torchrun(part, "--resume")], cwd=HERE,
+                                env=models["env"], capture_output=True, text=True)  # fmt: skip
+    finally:
+        held.kill()
+    assert second.returncode != 0 and "error: --out" in second.stderr, second.stderr[-2000:]
+
+    stopped = tmp_path / "stopped"  # SIGTERM once epoch 1 is done
+    proc = start(*torchrun(stopped, *flags, "--epochs", "4"), env=models["env"])
+    wait_for_epochs(stopped, 2, proc, poll=0.1)
+    os.kill(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    done = metrics_of(stopped)[-1]["epoch"]
+    assert proc.returncode != 0 and "lost contact" not in stderr, stderr[-3000:]
+    assert f"stopped after epoch {done}; continue: torchrun" in stdout and done < 4
+    assert sorted(os.listdir(stopped / "ckpt"))[-1] == f"epoch_{done:04d}"
+    if done == 1:
+        run2(models, stopped, "--resume", "--epochs", "2")
+    assert all(torch.equal(lora(stopped, 2)[k], lora(whole, 2)[k]) for k in lora(whole, 2))
+    for a, b in zip(metrics_of(stopped)[:3], metrics_of(whole), strict=True):
+        assert common(a, b) == common(b, a)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_ends_a_sharded_run_in_seconds(models, tmp_path):
+    out = tmp_path / "run"
+    proc = start(*torchrun(out, *flags_of(models, "sd3", "--shard", "--epochs", "20")),
+                 env=models["env"])  # fmt: skip
+    wait_for_epochs(out, 2, proc, poll=0.2)
+    os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    tic = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - tic < 60
+    said = stopped_message("\n".join(line for line in stderr.splitlines() if "[rank" not in line))
+    assert "rank 0 lost contact: rank 1 stopped answering" in said
+    assert f"recast.py --out {out} --resume" in said
+
+
+def test_shard_needs_torchrun_and_a_diffusers_model(models, tmp_path, capsys, monkeypatch):
+    """--shard with the toy world, or with a diffusers model but without torchrun: exit 2 naming
+    the flag and the fix, nothing written."""
+    import recast
+
+    for k, v in models["env"].items():
+        monkeypatch.setenv(k, v)
+    out = str(tmp_path / "run")
+    toy = ["--lambda", "0.4,0.2,0.2,0.2"]
+    for flags, said in ((toy, "toy world"), (flags_of(models, "sd3"), "torchrun")):
+        with pytest.raises(SystemExit) as e:
+            recast.main([*flags, "--shard", "--out", out])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "error: --shard" in err and said in err, err
+    assert not os.path.exists(out)
