@@ -5,6 +5,7 @@
     python benchmarks/memory_plan.py --model qwen-image --grad-checkpointing --resolution 1024
     python benchmarks/memory_plan.py --resolution 1024 --grad-checkpointing --gpu-memory 141
     python benchmarks/memory_plan.py --world-size 8 --prompts 64 --batch-size 64   # per GPU
+    python benchmarks/memory_plan.py --model flux1-dev --guidance 3.5 --world-size 8 --shard
     python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
     python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
 
@@ -16,7 +17,8 @@ SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size w
 tokenizers) or from a pipeline folder's configurations, and the training flags default to
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
-`torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py).
+`torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py);
+with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards).
 
 Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
 counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
@@ -171,6 +173,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     judges = recast.expand_names("--judges", args.judges, [*known, *rewards.JUDGES], True)
     if args.profile:
         fail("--profile", "plans a training run; --profile trains nothing")
+    if args.shard and own.world_size < 2:
+        fail("--shard", "plans one rank of a sharded torchrun run: give --world-size N (N ≥ 2), "
+             "or drop --shard")  # fmt: skip
     recast.check_rewards(args, names, judges)
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
@@ -337,6 +342,98 @@ class Autocasting:
 
 
 # ---------------------------------------------------------------------------------------------
+# --shard: FSDP2's memory on one rank, on the meta models
+# ---------------------------------------------------------------------------------------------
+def shard_share(p: torch.Tensor, ranks: int) -> float:
+    """The share of p's elements one rank keeps: FSDP2 splits dim 0 into `ranks` chunks of
+    ceil(d0 / ranks) rows (the last padded)."""
+    if p.dim() == 0 or p.numel() == 0:
+        return 1.0
+    return -(-p.shape[0] // ranks) / p.shape[0]
+
+
+class Shards:
+    """What `recast.py --shard` holds on one rank of `ranks`, emulated on the meta models that
+    the trace runs whole (FSDP2 itself needs a process group and real devices): the modules that
+    plumbing.distributed.shard_models shards (world.shardable(), split into
+    plumbing.distributed.layers and each model's root) count 1/ranks of each parameter
+    (shard_share); each group's parameters are gathered whole, in the compute dtype, from its
+    forward's start to its end (the root's around all of its layers'), and again for its
+    backward, where the group computed next is gathered ahead (FSDP2's backward prefetch); on a
+    GPU the next layer's forward gathers before the current one is freed (its all-gather stream
+    runs ahead), `prefetch`."""
+
+    def __init__(self, modules, ranks: int, tracker, dtype, prefetch: bool, gloo: bool):
+        from plumbing.distributed import layers
+
+        self.ranks, self.tracker, self.dtype, self.prefetch = ranks, tracker, dtype, prefetch
+        self.gloo = gloo
+        self.params, self.live, self.kept = set(), {}, None
+        for module in modules:
+            groups = layers(module)
+            inner = {id(p) for g in groups for p in g.parameters()}
+            root = [p for p in module.parameters() if id(p) not in inner]
+            self.params |= {id(p) for p in module.parameters()}
+            self._hook(module, self._bytes(root), groups=groups)
+            for i, g in enumerate(groups):
+                ahead = groups[i - 1] if i > 0 else None  # backward runs the layers in reverse
+                self._hook(g, self._bytes(list(g.parameters())), ahead=ahead)
+
+    def share(self, p: torch.Tensor) -> float:
+        return shard_share(p, self.ranks) if id(p) in self.params else 1.0
+
+    def _bytes(self, params) -> int:
+        size = lambda p: (self.dtype or p.dtype).itemsize  # noqa: E731
+        return sum(-(-p.shape[0] // self.ranks) * self.ranks * (p.numel() // max(1, p.shape[0]))
+                   * size(p) if p.dim() else size(p) for p in params)  # fmt: skip
+
+    def gather(self, group) -> None:
+        """FSDP2's all-gather of a group: this rank's shard copied in and the flat output (on gloo,
+        the collective also allocates an output of its own, measured, gone when it returns), then
+        the parameters copied out into their unsharded tensors, which stay; the rest goes."""
+        if id(group) in self.live:
+            return
+        n = self.sizes[id(group)]
+        empty = lambda k: torch.empty(k, dtype=torch.uint8, device="meta")  # noqa: E731
+        with self.tracker.making("parameters"):
+            local, flat = empty(-(-n // self.ranks)), empty(n)  # copy-in, output
+            if self.gloo:
+                empty(n)  # gone once the collective returns
+            self.live[id(group)] = empty(n)  # copy-out
+        del local, flat
+
+    def free(self, group) -> None:
+        self.live.pop(id(group), None)
+
+    def _hook(self, m, nbytes: int, groups=(), ahead=None) -> None:
+        self.sizes = getattr(self, "sizes", {})
+        self.sizes[id(m)] = nbytes
+
+        def before(*_):
+            self.gather(m)
+
+        def after(*_):
+            if self.prefetch and not groups:  # a layer: kept until the next one has run
+                kept, self.kept = self.kept, m
+                self.free(kept) if kept is not None else None
+                return
+            self.free(m)
+            if groups and self.kept is not None:  # the root's end: the last layer goes too
+                self.free(self.kept)
+                self.kept = None
+
+        def before_backward(*_):
+            self.gather(m)
+            if ahead is not None:
+                self.gather(ahead)
+
+        m.register_forward_pre_hook(before)
+        m.register_forward_hook(after)
+        m.register_full_backward_pre_hook(before_backward)
+        m.register_full_backward_hook(lambda *_: self.free(m))
+
+
+# ---------------------------------------------------------------------------------------------
 # One epoch, phase by phase, through the project's calls
 # ---------------------------------------------------------------------------------------------
 class Marks:
@@ -460,7 +557,8 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     """The world (diffusersworld.DiffusersWorld with the family's part, on an already-built
     pipeline), the reward models, the AdamW of recast.setup with its state made, on `device`
     ("meta", or "cpu" for the allocator check) in the GPU's precisions (bf16 transformer and text
-    encoders) when planning for a GPU."""
+    encoders) when planning for a GPU. With --shard on the CPU (the allocator check, under a gloo
+    process group) the models are sharded for real, by recast.py's own shard_models."""
     cuda_form = not cpu_form
     torch.manual_seed(0)
     with torch.device(device):
@@ -477,6 +575,11 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     form = memtrace.GpuForm("cuda" if cuda_form else "cpu")
     if args.grad_checkpointing:  # the recomputation in backward takes the same form
         world.transformer.enable_gradient_checkpointing(form.checkpoint_function())
+    if args.shard and device == "cpu":  # under the check's process group
+        from plumbing.distributed import shard_models
+
+        shard_models(world.shardable(), torch.device("cpu"))
+        world.sharded()
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     # recast.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
@@ -488,7 +591,7 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
             "reward_fns": reward_fns, "scorers": reward_fns, "params": params, "opt": optimizer,
             "nft_loss": nft_loss if cuda_form else reference_nft_loss,
             "sigmas": world.sigmas(args.steps), "held": [world.transformer, pipe.vae,
-            *encoders, *reward_held]}  # fmt: skip
+            *encoders, *reward_held], "shardable": world.shardable()}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,13 +617,21 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
         warnings.simplefilter("ignore")
         run = make_run(own, args, "meta", c, tmp, cpu_form)
     tracker = memtrace.StorageTracker("meta", 1 if cpu_form else memtrace.CUDA_ROUND)
+    share = None
+    if args.shard:  # FSDP2 on `own.world_size` ranks, emulated (Shards)
+        dtype = None if cpu_form else torch.bfloat16  # its MixedPrecisionPolicy's param_dtype
+        shards = Shards(run["shardable"], own.world_size, tracker, dtype, prefetch=not cpu_form,
+                        gloo=cpu_form)  # fmt: skip
+        share = shards.share
     for held in run["held"]:
         if isinstance(held, torch.nn.Module):
-            tracker.add_module(held)
+            for p in held.parameters():
+                tracker.add(p, "parameters", None if share is None else int(p.nbytes * share(p)))
+            tracker.add_all(held.buffers(), "parameters")
         elif held is not None:
             tracker.add(held, "parameters")
-    tracker.add_optimizer(run["opt"])
-    hooks = tracker.watch_grads(run["params"])
+    tracker.add_optimizer(run["opt"], share)
+    hooks = tracker.watch_grads(run["params"], share)
     marks = Marks(tracker)
     with tqdm(total=len(PHASES), desc=desc, leave=False) as bar:
         with tracker, run["form"]:
@@ -530,6 +641,26 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
     return marks.peaks
 
 
+def _sharded_worker(rank: int, own, args, c: dict, tmp: Path, out) -> None:
+    """One gloo rank of the sharded allocator check: the same calls under torch.profiler."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                            world_size=own.world_size)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run = make_run(own, args, "cpu", c, tmp, cpu_form=True)
+            with run["form"]:
+                epoch(run, Marks(), tqdm(disable=True))
+    if rank == 0:
+        out.put(allocator_peaks(prof))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def check_cpu(own, args, c: dict, tmp: Path) -> dict:
     """{phase: {"planned": bytes, "allocator": bytes}}: the plan in the CPU's form, and the same
     calls run on the CPU (random weights) under torch.profiler, whose memory events carry the CPU
@@ -537,6 +668,13 @@ def check_cpu(own, args, c: dict, tmp: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     planned = plan(own, args, c, tmp, cpu_form=True, desc="plan, CPU form")
+    if args.shard:  # rank 0 of own.world_size gloo processes, sharded for real
+        import torch.multiprocessing as tmp_mp
+
+        queue = tmp_mp.get_context("spawn").SimpleQueue()
+        tmp_mp.spawn(_sharded_worker, (own, args, c, tmp, queue), nprocs=own.world_size)
+        measured = queue.get()
+        return {ph: {"planned": planned[ph]["peak"], "allocator": measured[ph]} for ph in PHASES}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -578,16 +716,19 @@ def verdict(peaks: dict, gpu_gib: float) -> dict:
             "margin_gib": gpu_gib - need, "fits": need <= gpu_gib}  # fmt: skip
 
 
-def alternatives(args) -> list[dict]:
-    """Flags that lower the peak, in the order tried: --grad-checkpointing, then --batch-size
-    halved (down to 1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its
-    pairs."""
+def alternatives(args, world_size: int = 1) -> list[dict]:
+    """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun)
+    --shard with it, then --batch-size halved (down to 1 pair per GPU) with --grad-accum doubled,
+    so an optimizer step keeps its pairs."""
     out, batch, accum = [], args.batch_size, args.grad_accum
     if not args.grad_checkpointing:
         out.append({"grad_checkpointing": True})
-    while batch % 2 == 0 and len(out) < 4:
+    shard = {"shard": True} if world_size > 1 or args.shard else {}
+    if shard and not args.shard:
+        out.append({"grad_checkpointing": True, **shard})
+    while batch % 2 == 0 and len(out) < 4 + bool(shard):
         batch, accum = batch // 2, accum * 2
-        out.append({"grad_checkpointing": True, "batch_size": batch, "grad_accum": accum})
+        out.append({"grad_checkpointing": True, **shard, "batch_size": batch, "grad_accum": accum})
     return out
 
 
@@ -600,7 +741,7 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     """Plans of alternatives(args), until one fits (those with a batch a world size cannot split
     are skipped)."""
     tried = []
-    for change in alternatives(args):
+    for change in alternatives(args, own.world_size):
         if change.get("batch_size", own.world_size) % own.world_size:
             continue
         changed = recast.Args(**{**vars(args), **change})
@@ -619,7 +760,8 @@ def lines(report: dict) -> list[str]:
     run = (f"--model {a['model']}{report['shrunk']} --resolution {a['resolution']} --steps "
            f"{a['steps']} --prompts {a['prompts']} --group-size {a['group_size']} --batch-size "
            f"{a['batch_size']} --grad-accum {a['grad_accum']} --lora-rank {a['lora_rank']}"
-           f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''} --rewards "
+           f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''}"
+           f"{' --shard' if a.get('shard') else ''} --rewards "
            f"{','.join(report['rewards'])}{guidance} --kl-coef {a['kl_coef']:g} --gain-frac "
            f"{a['gain_frac']:.4g} --score-precision {a['score_precision']}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",

@@ -58,9 +58,10 @@ class StorageTracker(TorchDispatchMode):
         n = st.nbytes()
         return -(-n // self.round_to) * self.round_to if n else 0
 
-    def add(self, t: torch.Tensor, kind: str | None = None) -> None:
+    def add(self, t: torch.Tensor, kind: str | None = None, nbytes: int | None = None) -> None:
         """Count tensor `t`'s storage (once) as `kind` (default: the current kind); a storage
-        already counted is moved to `kind` when one is given."""
+        already counted is moved to `kind` when one is given. `nbytes`: count this many bytes
+        instead of the storage's (a rank's shard of a tensor the trace holds whole)."""
         if t.device.type != self.device:
             return
         st = t.untyped_storage()
@@ -73,7 +74,7 @@ class StorageTracker(TorchDispatchMode):
                 entry[0] = kind
             return
         kind = kind or self.kind
-        n = self._bytes(st)
+        n = self._bytes(st) if nbytes is None else -(-nbytes // self.round_to) * self.round_to
         entry = [kind, n, None]
         entry[2] = weakref.ref(st, lambda _, key=key: self._free(key))
         self._seen[key] = entry
@@ -99,16 +100,22 @@ class StorageTracker(TorchDispatchMode):
         self.add_all(module.parameters(), "parameters")
         self.add_all(module.buffers(), "parameters")
 
-    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            self.add_all(state.values(), "optimizer")
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, share=None) -> None:
+        """The optimizer's state; `share(p)`: the share of parameter p's bytes a rank holds."""
+        for p, state in optimizer.state.items():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    scaled = share is not None and t.dim() > 0
+                    self.add(t, "optimizer", int(t.nbytes * share(p)) if scaled else None)
 
-    def watch_grads(self, params) -> list:
-        """Count each parameter's .grad as a gradient once backward has accumulated it."""
-        return [
-            p.register_post_accumulate_grad_hook(lambda p: self.add(p.grad, "gradients"))
-            for p in params
-        ]
+    def watch_grads(self, params, share=None) -> list:
+        """Count each parameter's .grad as a gradient once backward has accumulated it (`share`:
+        as in add_optimizer)."""
+
+        def count(p):
+            self.add(p.grad, "gradients", None if share is None else int(p.grad.nbytes * share(p)))
+
+        return [p.register_post_accumulate_grad_hook(count) for p in params]
 
     @contextlib.contextmanager
     def making(self, kind: str) -> Iterator[None]:

@@ -102,6 +102,45 @@ def test_a_run_that_does_not_fit_names_the_flags_that_would(tiny):
     assert report["peaks"]["update"]["gradients"] == 0  # the peak is before backward's gradients
 
 
+def test_under_torchrun_the_suggestions_name_shard(tiny):
+    """With --world-size 2, a run that does not fit is planned again with --grad-checkpointing,
+    then with --shard beside it (the rank's shards of the transformer and text encoders)."""
+    report = plan(tiny, "--gpu-memory", "1", "--world-size", "2")
+    flags = [a["flags"] for a in report["alternatives"]]
+    assert flags[:3] == ["--grad-checkpointing", "--grad-checkpointing --shard",
+                         "--grad-checkpointing --shard --batch-size 2 --grad-accum 2"]  # fmt: skip
+    sharded = report["alternatives"][1]["peaks"]["score"]  # no gathered layer in scoring
+    assert sharded["parameters"] < report["alternatives"][0]["peaks"]["score"]["parameters"]
+
+
+@pytest.mark.slow
+def test_a_sharded_plan_agrees_with_two_gloo_ranks(tiny):
+    """--world-size 2 --shard --check-cpu on SD3.5-Medium shrunk 8× (so that the transformer and
+    text encoders weigh: at the tiny pipeline's size they are < 1 % of a phase): each phase's
+    planned peak of rank 0 within 5 % of rank 0's CPU allocator, with recast.py's own
+    shard_models (FSDP2) run on 2 gloo processes. Scoring gathers nothing, so its agreement pins
+    the shards' accounting; the other phases pin the gathered layers'. The same run planned
+    unsharded holds more parameters in every phase but those gathering."""
+    flags = [*TINY_RUN[:4], *TINY_RUN[6:], "--shrink", "8", "--resolution", "64",
+             "--eval-prompts", "4", "--eval-seeds", "1", "--world-size", "2"]  # fmt: skip
+    env = {**os.environ, **tiny["env"], "OMP_NUM_THREADS": "1"}
+
+    def planned(*more: str) -> dict:
+        out = tiny["root"] / f"shrunk{len(more)}.json"
+        done = subprocess.run([sys.executable, "benchmarks/memory_plan.py", *flags, *more,
+                               "--json", str(out)], cwd=ROOT, env=env, capture_output=True,
+                              text=True)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(out.read_text())
+
+    report = planned("--shard", "--check-cpu")
+    for phase, x in report["cpu_check"].items():
+        print(f"sharded {phase}: planned {x['planned']} B, allocator {x['allocator']} B")
+        assert x["allocator"] > 0 and abs(x["planned"] / x["allocator"] - 1) <= 0.05, phase
+    whole = planned()["peaks"]
+    assert whole["score"]["parameters"] > 1.1 * report["peaks"]["score"]["parameters"]
+
+
 @pytest.mark.parametrize("family, build, flags, tolerance", [
     ("flux1-dev", lambda folder: modelzoo.tiny_flux_pipeline(folder, guidance_embeds=True),
      ["--guidance", "3.5"], 0.05),
@@ -145,6 +184,8 @@ def test_other_families_plan_through_their_part_and_agree_with_the_cpu_allocator
         (["--model", "flux1-schnell", "--guidance", "3.5"], "--guidance"),
         (["--model", "qwen-image", "--resolution", "500"], "--resolution"),
         (["--model", "flux2-klein-4b", "--shrink", "4"], "--shrink"),  # SD3.5-Medium's only
+        (["--shard"], "--shard"),  # one rank of how many?
+        (["--shard", "--world-size", "1"], "--shard"),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_path, capsys):

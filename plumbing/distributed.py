@@ -151,7 +151,7 @@ def lost_rank_exits(run_dir: str):
 # ---------------------------------------------------------------------------------------------
 # --shard: FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP
 # ---------------------------------------------------------------------------------------------
-def _layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+def layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated layers of a model: the children of each outermost ModuleList whose children
     all share one class and hold parameters (a transformer's blocks, a text encoder's layers; one
     block is a layer too). The adapters live in them, never in the root, whose parameters FSDP2
@@ -183,10 +183,10 @@ def shard_models(modules: list[torch.nn.Module], device: torch.device) -> None:
     bf16 = device.type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32)  # fmt: skip
-    for module in modules:
-        for layer in _layers(module):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(module, mesh=mesh, mp_policy=mp)
+    for module in modules:  # every group gathered only while it computes (the root too)
+        for layer in layers(module):
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool):
