@@ -88,9 +88,18 @@ def inputs(pipe, x: torch.Tensor, cond, t: torch.Tensor, args) -> dict:
                 img_ids=img_ids, txt_ids=txt_ids)  # fmt: skip
 
 
+def unpack(z: torch.Tensor) -> torch.Tensor:
+    """(B, L, C) tokens → (B, C, h/2, w/2): the pipeline's _unpack_latents_with_ids for the ids
+    of _grid, which number the tokens row by row. Done here because that call's signature
+    differs across diffusers versions (0.37: (x, ids), later: sizes too) and, without the sizes,
+    it reads the ids' maximum on the host (which the memory planner's meta tensors cannot)."""
+    side = int(z.shape[1] ** 0.5)
+    return z.unflatten(1, (side, side)).permute(0, 3, 1, 2)
+
+
 def decode(pipe, z: torch.Tensor) -> torch.Tensor:
-    vae, (_, ids) = pipe.vae, _grid(pipe, z)
-    z = pipe._unpack_latents_with_ids(z, ids)  # (B, 4·C, h/2, w/2); diffusers 0.37 takes 2 args
+    vae = pipe.vae
+    z = unpack(z)  # (B, 4·C, h/2, w/2)
     mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z)
     z = pipe._unpatchify_latents(z * std + mean)

@@ -182,19 +182,17 @@ def test_lora_adapts_the_expected_layers_of_every_block(variant, tiny_dirs, prom
         assert seen == set(expected), kind  # each expected layer is adapted somewhere
 
 
-def test_flux2_klein_decodes_with_the_oldest_diffusers_call(tiny_dirs, prompts_file, monkeypatch):
-    """diffusers 0.37 (requirements.txt's floor) has Flux2KleinPipeline._unpack_latents_with_ids
-    take (x, x_ids) only; decode works with that signature and gives the same images. (The whole
-    family test against 0.37 itself: docs/models.md.)"""
-    import diffusers
+def test_flux2_klein_unpacks_as_the_pipeline_does_on_every_diffusers(tiny_dirs, prompts_file):
+    """FLUX.2-klein's decode unpacks its tokens itself (flux2world.unpack): the same tensor as the
+    pipeline's _unpack_latents_with_ids(latents, ids), the two-argument call that every diffusers
+    from 0.37 (requirements.txt's floor) on accepts. (The whole family test against 0.37 itself:
+    docs/models.md.)"""
+    from worlds import flux2world
 
     world, _ = world_of("flux2-klein", tiny_dirs("flux2-klein"), prompts_file)
     z = torch.randn(2, *world.latent_shape, generator=torch.Generator().manual_seed(0))
-    now = world.decode(z)
-    newer = diffusers.Flux2KleinPipeline._unpack_latents_with_ids
-    monkeypatch.setattr(diffusers.Flux2KleinPipeline, "_unpack_latents_with_ids",
-                        staticmethod(lambda x, x_ids: newer(x, x_ids)))  # fmt: skip
-    assert torch.equal(world.decode(z), now)
+    _, ids = flux2world._grid(world.pipe, z)
+    assert torch.equal(flux2world.unpack(z), world.pipe._unpack_latents_with_ids(z, ids))
 
 
 def recast_exit(capsys, *flags) -> str:
