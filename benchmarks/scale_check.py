@@ -1135,7 +1135,9 @@ def print_cost_model() -> None:
         print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
               f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
-    print_family_costs(c, cf, r512, r1024)
+    fams = {family: family_flops(c, cf, family, (512, 1024)) for family in FAMILY_NAMES}
+    print_family_costs(c, fams, r512, r1024)
+    print_shard_costs(c, fams, r512, r1024)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1211,7 +1213,7 @@ def family_params(c: dict, family: str) -> dict:
             "text": sum(n_params(e) for e, _ in m["text"]) / 1e9}  # fmt: skip
 
 
-def print_family_costs(c: dict, cf: dict, r512: dict, r1024: dict) -> None:
+def print_family_costs(c: dict, fams: dict, r512: dict, r1024: dict) -> None:
     """Each family's modelled epoch of the one-GPU command (docs/models.md) at 512 and 1024 px,
     and ReCAST's share of it: with the scoring defaults, and with full fp32 scoring at 512 px."""
     peaks = peak_rates("H100/H200 SXM")
@@ -1225,7 +1227,7 @@ def print_family_costs(c: dict, cf: dict, r512: dict, r1024: dict) -> None:
     print(f"  {'':<16} {'B params':>11} {'B params':>9} {'TFLOP':>8} {'s':>9} {'share':>7} "
           f"{'share':>6} {'s':>10} {'share':>7}")  # fmt: skip
     for family in FAMILY_NAMES:
-        f, p = family_flops(c, cf, family, (512, 1024)), family_params(c, family)
+        f, p = fams[family], family_params(c, family)
         secs = [modelled_seconds(phase_flops(f, {**r, "eval": False}, amortised=True), peaks)
                 for r in (r512, {**r512, **full}, r1024)]  # fmt: skip
         epoch = [sum(s.values()) for s in secs]
@@ -1233,6 +1235,95 @@ def print_family_costs(c: dict, cf: dict, r512: dict, r1024: dict) -> None:
         print(f"  {family:<16} {p['transformer']:>11.2f} {p['text']:>9.2f} "
               f"{f['transformer_fwd@512'] / 1e12:>8.2f} {epoch[0]:>9.1f} {share[0]:>7.1%} "
               f"{share[1]:>6.1%} {epoch[2]:>10.1f} {share[2]:>7.1%}")  # fmt: skip
+
+
+# --shard's communication, modelled: FSDP2 all-gathers every layer of the transformer (bf16) for
+# each forward and again for its backward, and each text encoder per encode call; only the LoRA
+# gradients (fp32) are reduce-scattered (the base weights are frozen)
+NVLINK_BYTES_S = 450e9  # per direction per GPU, H100/H200 SXM (NVLink 4: 900 GB/s both ways)
+SHARD_RANKS = 8
+PARTS = {"SD3.5-Medium": "sd3world", "FLUX.1-dev": "fluxworld", "FLUX.1-schnell": "fluxworld",
+         "FLUX.2-klein 4B": "flux2world", "Qwen-Image": "qwenimageworld"}  # fmt: skip
+
+
+def part_of(family: str):
+    """The family part (worlds/*world.py) of a family of FAMILY_NAMES."""
+    import importlib
+
+    return importlib.import_module(f"worlds.{PARTS[family]}")
+
+
+def lora_params(c: dict, family: str, rank: int = 32) -> float:
+    """Trainable parameters of one adapter (rank r on each Linear the family part targets)."""
+    import torch
+
+    from worlds import diffusersworld
+
+    part = part_of(family)
+    with torch.device("meta"):
+        tr = sd35m_models(c) if family == "SD3.5-Medium" else family_models(c, family)
+        tr = tr["transformer"]
+    mods = dict(tr.named_modules())
+    names = diffusersworld.lora_targets(tr, part.LORA_TARGETS)
+    return float(sum(rank * (mods[n].in_features + mods[n].out_features) for n in names))
+
+
+def shard_costs(c: dict, f: dict, r: dict, family: str, ranks: int = SHARD_RANKS) -> dict:
+    """One epoch of run `r` (the one-GPU command's work split over `ranks` GPUs) under --shard:
+    per rank, the bytes all-gathered and reduce-scattered and their seconds on NVLink, beside the
+    compute seconds of the cost model (data-sheet peaks); and what is not hidden behind compute.
+    FSDP2 gathers layer i+1 while layer i computes (forward) and layer i-1 while i's backward
+    runs, and reduce-scatters i's gradients during i-1's backward, so a forward's gathers hide
+    behind its compute when they take less time: exposed = max(0, gather − compute) per forward."""
+    p = family_params(c, family)
+    peaks = peak_rates("H100/H200 SXM")
+    res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
+    fwd, bwd = f[f"transformer_fwd@{res}"], f[f"transformer_bwd@{res}"]
+    share = (ranks - 1) / ranks  # of every gathered byte, what comes from the other ranks
+    tr_bytes, text_bytes = 2 * p["transformer"] * 1e9, 2 * p["text"] * 1e9
+    lora_bytes = 4 * lora_params(c, family)
+    images = P * G // ranks  # this rank's rollout, in sampler calls of --batch-size images
+    calls = T * -(-images // r["batch_size"])
+    per_call = min(images, r["batch_size"])
+    pairs = max(1, round(r["train_frac"] * P * G * T))
+    micro = -(-pairs // r["batch_size"])  # micro-batches; each rank takes batch / ranks pairs
+    local = r["batch_size"] / ranks
+    passes = 2 + (r["kl_coef"] > 0)  # policy, old, reference forwards; then the backward
+    chunk = part_of(family).ENCODE_CHUNK  # prompts per text-encoder call
+    encodes = -(-(P // ranks) // chunk) + -(-P // chunk)  # rollout's share, the update's all
+    gathered = share * (tr_bytes * (calls + micro * (passes + 1)) + text_bytes * encodes)
+    scattered = share * lora_bytes * micro / r.get("grad_accum", 1)
+    gather_s = share * tr_bytes / NVLINK_BYTES_S  # one whole transformer
+    rate = peaks["bf16"]
+    ckpt = fwd * bool(r["grad_checkpointing"])
+    exposed = (calls * max(0.0, gather_s - per_call * fwd / rate)
+               + micro * passes * max(0.0, gather_s - local * fwd / rate)
+               + micro * max(0.0, gather_s - local * (bwd + ckpt) / rate))  # fmt: skip
+    compute = sum(modelled_seconds(phase_flops(f, {**r, "eval": False}, amortised=True),
+                                   peaks).values()) / ranks  # fmt: skip
+    comm = (gathered + scattered) / NVLINK_BYTES_S
+    return {"gathered_gb": gathered / 1e9, "scattered_gb": scattered / 1e9, "comm_s": comm,
+            "compute_s": compute, "exposed_s": exposed,
+            "exposed_share": exposed / (compute + exposed)}  # fmt: skip
+
+
+def print_shard_costs(c: dict, fams: dict, r512: dict, r1024: dict) -> None:
+    print(f"--shard on {SHARD_RANKS} GPUs, modelled: one epoch of the one-GPU command split "
+          f"{SHARD_RANKS} ways (1024 px with --grad-checkpointing); per GPU, the transformer's "
+          "layers all-gathered (bf16) for every forward and backward, the text encoders' per "
+          "encode call, the LoRA gradients (fp32) reduce-scattered per optimizer step, at "
+          f"{NVLINK_BYTES_S / 1e9:.0f} GB/s (NVLink, one direction); compute at the data-sheet "
+          "peaks; exposed: the gathers that take longer than the forward they feed")  # fmt: skip
+    print(f"  {'family':<16} {'px':>5} {'gathered':>9} {'scattered':>9} {'comm':>7} "
+          f"{'compute':>8} {'exposed':>8} {'share of':>8}")  # fmt: skip
+    print(f"  {'':<16} {'':>5} {'GB':>9} {'GB':>9} {'s':>7} {'s':>8} {'s':>8} "
+          f"{'epoch':>8}")  # fmt: skip
+    for family in FAMILY_NAMES:
+        for r in (r512, r1024):
+            x = shard_costs(c, fams[family], r, family)
+            print(f"  {family:<16} {r['resolution']:>5} {x['gathered_gb']:>9.0f} "
+                  f"{x['scattered_gb']:>9.2f} {x['comm_s']:>7.1f} {x['compute_s']:>8.1f} "
+                  f"{x['exposed_s']:>8.1f} {x['exposed_share']:>8.1%}")  # fmt: skip
 
 
 def config_params(c: dict) -> dict:

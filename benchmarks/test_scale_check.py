@@ -214,3 +214,31 @@ def test_phase_flops_count_each_phase():
     assert more == {"bf16": 320 * (2.0 + 3.0 + 2.0 + 2.0) + P * 1.0}  # +1 recompute, -1 ref
     secs = sc.modelled_seconds(f, {"bf16": 4.0, "tf32": 2.0, "fp32": 1.0})
     assert secs["score"] == n * 5.0 / 2.0 + n * rewards
+
+
+def test_shard_costs_count_the_gathers_of_each_forward(monkeypatch):
+    """--shard's modelled communication against the counts written out, with made-up sizes: per
+    rank, (N-1)/N of the transformer's bf16 bytes for each rollout sampler call and for each of the
+    update's 3 forwards and 1 backward per micro-batch, of the text encoder's per encode call, and
+    of the fp32 LoRA gradients per optimizer step; a gather exposed only where it outlasts the
+    forward it feeds, so larger micro-batches hide it."""
+    monkeypatch.setattr(sc, "family_params", lambda c, fam: {"transformer": 1.0, "text": 0.5})
+    monkeypatch.setattr(sc, "lora_params", lambda c, fam: 1e7)
+    cf = {"transformer_fwd@512": 1e12, "transformer_bwd@512": 2e12, "vae_decode@512": 1e11,
+          "text": 1e10, "clip_h_image": 1e11, "clip_h_text": 1e10, "clip_l14_image": 1e10,
+          "clip_l14_text": 1e9, "aesthetic_head": 0.0}  # fmt: skip
+    r = {**sc.FULL_RUN, "prompts": 32, "train_frac": 0.5, "gain_frac": 0.125, "gain_every": 1,
+         "score_precision": "bf16", "grad_checkpointing": False, "eval_images": 0}  # fmt: skip
+    x = sc.shard_costs({}, cf, r, "FLUX.2-klein 4B", ranks=8)
+    calls, micro = 10 * 2, 80  # 32 images a rank in calls of 16, T = 10; 1280 pairs / 16
+    encodes = 1 + 4  # the rollout's 4 prompts, the update's 32, 8 a call
+    expected = 7 / 8 * (2e9 * (calls + micro * 4) + 1e9 * encodes)
+    assert x["gathered_gb"] == pytest.approx(expected / 1e9)
+    assert x["scattered_gb"] == pytest.approx(7 / 8 * 4e7 * micro / 1e9)
+    assert x["comm_s"] == pytest.approx((expected + 7 / 8 * 4e7 * micro) / sc.NVLINK_BYTES_S)
+    gather = 7 / 8 * 2e9 / sc.NVLINK_BYTES_S  # 3.9 ms; a 2-pair forward computes 2e12 FLOP
+    rate = sc.peak_rates("H100/H200 SXM")["bf16"]
+    assert x["exposed_s"] == pytest.approx(micro * 3 * max(0, gather - 2e12 / rate)
+                                           + micro * max(0, gather - 4e12 / rate))  # fmt: skip
+    wider = sc.shard_costs({}, cf, {**r, "batch_size": 64}, "FLUX.2-klein 4B", ranks=8)
+    assert wider["gathered_gb"] < x["gathered_gb"] and wider["exposed_s"] <= x["exposed_s"]
