@@ -9,6 +9,7 @@ pipelines modelzoo builds (random weights, nothing downloaded):
 The torchrun tests are slow (minutes on 2 cores): python -m pytest -q -m slow plumbing/test_shard.py
 """
 
+import json
 import os
 import shutil
 import signal
@@ -86,7 +87,8 @@ def numbers(m: dict) -> dict:
 def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
     """Two epochs under --shard and under DDP: the same rollouts and W, rewards, evals and loss
     within 1e-4 relative (docs/sd35.md's torchrun tolerance), the LoRA weights within SHARD_ATOL,
-    and the adapters trained (lora_B moved off zero)."""
+    and the adapters trained (lora_B moved off zero); SD3's --profile gives the same gains and
+    W sharded as under DDP."""
     flags = flags_of(models, variant, "--epochs", "2")
     run2(models, tmp_path / "shard", *flags, "--shard")
     run2(models, tmp_path / "ddp", *flags)
@@ -102,6 +104,13 @@ def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
     assert x.keys() == y.keys()
     assert max((x[k] - y[k]).abs().max().item() for k in x) < SHARD_ATOL
     assert max(x[k].abs().max().item() for k in x if "lora_B.default" in k) > 1e-3
+    if variant == "sd3":  # --profile: the same gains and W (the base model: no training)
+        run2(models, tmp_path / "profile_shard", *flags_of(models, variant, "--shard", "--profile"))
+        run2(models, tmp_path / "profile_ddp", *flags_of(models, variant, "--profile"))
+        p, q = (json.loads((tmp_path / f"profile_{k}" / "profile.json").read_text())
+                for k in ("shard", "ddp"))  # fmt: skip
+        assert torch.allclose(torch.tensor(p["W"]), torch.tensor(q["W"]), atol=1e-6)
+        assert torch.allclose(torch.tensor(p["gains"]), torch.tensor(q["gains"]), atol=1e-6)
 
 
 @pytest.mark.slow
