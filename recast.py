@@ -233,10 +233,7 @@ class World(Protocol):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
-    # --shard (diffusers worlds only): the modules to shard, and what to redo once they are
-    def shardable(self) -> list[torch.nn.Module]: ...
-
-    def sharded(self) -> None: ...
+    def shardable(self) -> list[torch.nn.Module]: ...  # --shard's (diffusers worlds only)
 
 
 @dataclass
@@ -424,7 +421,6 @@ def setup(argv: list[str] | None) -> "Run":
     reward_fns = {n: scorers[n] for n in names}
     if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md)
         shard_models(world.shardable(), device)
-        world.sharded()
     elif distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)

@@ -368,7 +368,7 @@ class Shards:
 
         self.ranks, self.tracker, self.dtype, self.prefetch = ranks, tracker, dtype, prefetch
         self.gloo = gloo
-        self.params, self.live, self.kept = set(), {}, None
+        self.params, self.live, self.kept, self.sizes = set(), {}, None, {}
         for module in modules:
             groups = layers(module)
             inner = {id(p) for g in groups for p in g.parameters()}
@@ -383,9 +383,9 @@ class Shards:
         return shard_share(p, self.ranks) if id(p) in self.params else 1.0
 
     def _bytes(self, params) -> int:
-        size = lambda p: (self.dtype or p.dtype).itemsize  # noqa: E731
-        return sum(-(-p.shape[0] // self.ranks) * self.ranks * (p.numel() // max(1, p.shape[0]))
-                   * size(p) if p.dim() else size(p) for p in params)  # fmt: skip
+        """The group's parameters gathered whole (dim 0 padded to ranks × the shard's rows)."""
+        whole = lambda p: p.numel() * (self.ranks * shard_share(p, self.ranks) if p.dim() else 1)  # noqa: E731
+        return sum(round(whole(p)) * (self.dtype or p.dtype).itemsize for p in params)
 
     def gather(self, group) -> None:
         """FSDP2's all-gather of a group: this rank's shard copied in and the flat output (on gloo,
@@ -406,7 +406,6 @@ class Shards:
         self.live.pop(id(group), None)
 
     def _hook(self, m, nbytes: int, groups=(), ahead=None) -> None:
-        self.sizes = getattr(self, "sizes", {})
         self.sizes[id(m)] = nbytes
 
         def before(*_):
@@ -579,7 +578,6 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
         from plumbing.distributed import shard_models
 
         shard_models(world.shardable(), torch.device("cpu"))
-        world.sharded()
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     # recast.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
@@ -625,9 +623,7 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
         share = shards.share
     for held in run["held"]:
         if isinstance(held, torch.nn.Module):
-            for p in held.parameters():
-                tracker.add(p, "parameters", None if share is None else int(p.nbytes * share(p)))
-            tracker.add_all(held.buffers(), "parameters")
+            tracker.add_module(held, share)
         elif held is not None:
             tracker.add(held, "parameters")
     tracker.add_optimizer(run["opt"], share)

@@ -96,8 +96,10 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.add(t, kind)
 
-    def add_module(self, module: torch.nn.Module) -> None:
-        self.add_all(module.parameters(), "parameters")
+    def add_module(self, module: torch.nn.Module, share=None) -> None:
+        """The module's parameters (`share`: as in add_optimizer) and buffers."""
+        for p in module.parameters():
+            self.add(p, "parameters", None if share is None else int(p.nbytes * share(p)))
         self.add_all(module.buffers(), "parameters")
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, share=None) -> None:

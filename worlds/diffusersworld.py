@@ -220,7 +220,6 @@ class DiffusersWorld:
                 transformer.add_adapter(config, adapter_name=name)
         transformer.set_adapter("default")  # trainable: only "default" requires grad
         self.transformer = transformer
-        self._collect_adapters()
         for p in self.lora.values():  # adapters and their EMA in fp32 (peft makes them bf16 here)
             p.data = p.data.float()
         with torch.no_grad():
@@ -230,16 +229,19 @@ class DiffusersWorld:
             transformer.enable_gradient_checkpointing()
         self.transformer = self.trainable = self.policy = transformer.to(device)
 
-    def _collect_adapters(self) -> None:
-        """self.lora (the two adapters' tensors by peft name) and self._pairs ((θ_old, θ) tensor by
-        tensor), from the transformer's parameters as they are now (sharding replaces them)."""
-        params = dict(self.transformer.named_parameters())
-        self.lora = {k: p for k, p in params.items() if ".default." in k or ".old." in k}
-        self._pairs = [
-            (params[k.replace(".default.", ".old.")], p)
-            for k, p in params.items()
-            if ".default." in k
-        ]
+    @property
+    def lora(self) -> dict[str, torch.Tensor]:
+        """The two adapters' tensors by peft name, as the transformer holds them now (sharding
+        replaces them with their shards)."""
+        params = self.transformer.named_parameters()
+        return {k: p for k, p in params if ".default." in k or ".old." in k}
+
+    @property
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(θ_old, θ) tensor by tensor."""
+        lora = self.lora
+        return [(lora[k.replace(".default.", ".old.")], p) for k, p in lora.items()
+                if ".default." in k]  # fmt: skip
 
     def shardable(self) -> list[torch.nn.Module]:
         """What `recast.py --shard` shards layer by layer across the ranks (FSDP2): the
@@ -247,10 +249,6 @@ class DiffusersWorld:
         encoders = [getattr(self.pipe, n, None) for n in ("text_encoder", "text_encoder_2",
                                                             "text_encoder_3")]  # fmt: skip
         return [self.transformer, *[e for e in encoders if e is not None]]
-
-    def sharded(self) -> None:
-        """After sharding: the adapters' tensors are the sharded ones now."""
-        self._collect_adapters()
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """t_0 = 1 > … > t_T = 0: the family's schedule, from the pipeline's scheduler (§1)."""
