@@ -9,7 +9,8 @@ pytest imports this file before any test module:
   not import triton), pins the setting for this process with triton.knobs, and restores the
   environment, so that subprocesses (recast.py runs, the ahead-of-time compilation test) are not
   interpreted. Every nft_loss/renyi_gains call on CPU tensors in this pytest process then runs the
-  (slow) interpreted kernels, in kernels/test_*.py and in test_recast.py alike;
+  (slow) interpreted kernels, in kernels/test_*.py and in test_recast.py alike (except whole runs
+  started with test_recast.main_here, which take the reference path as `python recast.py` does);
 - if triton was imported earlier (a plugin, or pytest started from a process that had imported it),
   it stops with a message saying so rather than letting the kernel tests compare the reference
   with itself.
@@ -20,6 +21,9 @@ test trains on CUDA (benchmarks/gpu_check.py does this).
 """
 
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `pytest -n N`: N workers share the cores,
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # so one thread each (before torch is imported)
 
 if os.environ.get("RECAST_TEST_DEVICE", "cpu") == "cpu":
     _saved_flag = os.environ.get("TRITON_INTERPRET")

@@ -1,11 +1,11 @@
 """Tests for ReCAST: toy world and rewards, the weighting, the loop, failure modes.
 
-    python -m pytest -q             # the fast suite (CPU, a few minutes)
+    python -m pytest -q -n 2        # the fast suite (CPU, a few minutes on 2 processes)
     python -m pytest -q -m slow     # end-to-end checks of minutes (SIGKILL + resume, torchrun)
 
 The kernel tests are in kernels/test_*.py. The repository's conftest.py switches the Triton
 interpreter on for the whole pytest process (see there), so nft_loss/renyi_gains calls on CPU
-tensors here run the interpreted kernels too.
+tensors here run the interpreted kernels too, except in whole runs started with main_here.
 """
 
 import ast
@@ -357,6 +357,7 @@ def base_groups2(base_groups8):
     return tuple(x[rows] for x in base_groups8)
 
 
+@pytest.mark.xdist_group("base_groups")  # their module fixtures, built once
 def test_setting2_rewards_have_headroom_spread_and_are_independent(base_groups2):
     """What setting 2's four were chosen for (docs/toy_world.md#setting-2): the base model is
     further below the ideal rendering than its own within-group spread, every reward spreads
@@ -373,6 +374,7 @@ def test_setting2_rewards_have_headroom_spread_and_are_independent(base_groups2)
     assert off.abs().max() < 0.3, corr
 
 
+@pytest.mark.xdist_group("base_groups")  # their module fixtures, built once
 @pytest.mark.parametrize("k", range(4), ids=FLAWS2)
 def test_each_setting2_reward_measures_its_own_property(k, base_groups2):
     """Flaw k lowers setting 2's reward k for every image and moves the other three by less than
@@ -408,6 +410,7 @@ def base_groups8():
     return scores.view(8, -1, 8), ideal.view(8, -1, 8)
 
 
+@pytest.mark.xdist_group("base_groups")  # their module fixtures, built once
 @pytest.mark.parametrize("setting", SETTINGS34)
 def test_settings_3_and_4_have_headroom_spread_and_are_independent(setting, base_groups8):
     """What settings 3 and 4 were chosen for (docs/toy_world.md#settings-3-and-4), as setting 2's
@@ -431,6 +434,7 @@ def _flaw_of(name: str, flawed: bool) -> torch.Tensor:
     return _flawed2(TOY2.index(name) if flawed else None)
 
 
+@pytest.mark.xdist_group("base_groups")  # their module fixtures, built once
 @pytest.mark.parametrize("setting,k", [(s, k) for s in SETTINGS34 for k in range(4)],
                          ids=[f"{s}-{n}" for s, ns in SETTINGS34.items() for n in ns])  # fmt: skip
 def test_each_reward_of_settings_3_and_4_is_moved_most_by_its_own_flaw(setting, k, base_groups8):
@@ -623,14 +627,13 @@ def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
     assert (per_reward[1] - summed[1]).abs().max() > 0.1 * summed[1].abs().max()  # it matters
 
 
-def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path):
+def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path, capsys):
     """A whole run: --normalize joint --weighting uniform's first epoch has --weighting sum's
     rollout, rewards and loss (to float rounding); the flag is saved, and a resume that changes it
     exits 2."""
     flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY, "--epochs", "1", "--eval-every", "1"]
-    run_recast(*flags, "--weighting", "sum", "--out", str(tmp_path / "sum"))
-    run_recast(*flags, "--weighting", "uniform", "--normalize", "joint", "--out",
-               str(tmp_path / "joint"))  # fmt: skip
+    main_here(*flags, "--weighting", "sum", "--out", tmp_path / "sum")
+    main_here(*flags, "--weighting", "uniform", "--normalize", "joint", "--out", tmp_path / "joint")
     from plumbing.checkpoints import read_metrics
 
     a, b = (read_metrics(str(tmp_path / n))[1] for n in ("sum", "joint"))
@@ -639,9 +642,44 @@ def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path):
     }
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     assert json.loads((tmp_path / "joint" / "args.json").read_text())["normalize"] == "joint"
-    moved = run_recast(*flags, "--weighting", "uniform", "--normalize", "per-reward", "--epochs",
-                       "2", "--resume", "--out", str(tmp_path / "joint"), check=False)  # fmt: skip
-    assert moved.returncode == 2 and "--normalize" in moved.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as moved:
+        main_here(*flags, "--weighting", "uniform", "--normalize", "per-reward", "--epochs", "2",
+                  "--resume", "--out", tmp_path / "joint")  # fmt: skip
+    assert moved.value.code == 2 and "--normalize" in capsys.readouterr().err
+
+
+def main_here(*flags, env=None) -> None:
+    """recast.main(flags) in this process, as `python recast.py` runs it on CPU but without a
+    fresh interpreter's seconds of imports: nft_loss and renyi_gains take their PyTorch reference
+    path, not the Triton interpreter conftest.py switches on for this process. `env` holds for the
+    call (OMP_NUM_THREADS as torch's threads); what the run sets (signal handlers, threads) is
+    restored afterwards."""
+    import signal
+
+    import recast
+    from kernels import nft_loss, renyi
+
+    env = dict(env or {})
+    saved = {k: os.environ.get(k) for k in env}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads, interpret = torch.get_num_threads(), (nft_loss._INTERPRET, renyi._INTERPRET)
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    nft_loss._INTERPRET = renyi._INTERPRET = False
+    try:
+        recast.main([str(f) for f in flags])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        torch.set_num_threads(threads)
+        nft_loss._INTERPRET, renyi._INTERPRET = interpret
 
 
 def run_recast(*flags, check=True, **kw):
@@ -669,9 +707,18 @@ TINY = [
 ]
 
 
-def test_two_epoch_smoke_run_writes_every_output(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """`python recast.py` on TINY (2 epochs), run once: tests read it or go on from a copy."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
     run_recast("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", str(out))
+    return out
+
+
+@pytest.mark.xdist_group("tiny_run")  # one worker runs tiny_run once for both
+def test_two_epoch_smoke_run_writes_every_output(tiny_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out)
     for name in ["args.json", "environment.json", "metrics.jsonl", "W.png", "samples.png",
                  "summary.json"]:  # fmt: skip
         assert (out / name).is_file(), name
@@ -679,7 +726,9 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # --profile --resume: the latest policy's profile, written beside the run, the run untouched
     before = (out / "metrics.jsonl").read_text()
-    said = run_recast("--profile", "--resume", "--out", str(out)).stdout
+    capsys.readouterr()
+    main_here("--profile", "--resume", "--out", out)
+    said = capsys.readouterr().out
     p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 16)
     assert p["source"] == f"the policy after epoch 2 of {out}" and "after epoch 2" in said
     assert (out / "metrics.jsonl").read_text() == before
@@ -720,7 +769,7 @@ def test_two_epoch_smoke_run_writes_every_output(tmp_path):
     assert abs(rescored - lines[2]["eval/iou"]) < 0.01, (rescored, lines[2]["eval/iou"])
 
 
-def test_a_rerun_repeats_to_the_bit_and_each_run_records_its_environment(tmp_path):
+def test_a_rerun_repeats_to_the_bit_and_each_run_records_its_environment(tmp_path, capsys):
     """The same flags twice on one machine: the same metrics (every number but the seconds) and
     the same checkpoint bytes. Each run keeps environment.json (packages, CPU, the kernels torch
     dispatches to, the dispatch variables); with ATen, MKL and oneDNN held to their AVX2 code
@@ -743,7 +792,9 @@ def test_a_rerun_repeats_to_the_bit_and_each_run_records_its_environment(tmp_pat
     recorded = json.loads((tmp_path / "a" / "environment.json").read_text())
     assert recorded["cpu_capability"] == "AVX2" and recorded["variables"] == DISPATCH
     assert recorded["torch"] and recorded["diffusers"] and recorded["threads"] == 1
-    said = run_recast(*flags, "--epochs", "2", "--resume", "--out", str(tmp_path / "a")).stdout
+    capsys.readouterr()
+    main_here(*flags, "--epochs", "2", "--resume", "--out", tmp_path / "a")  # without DISPATCH
+    said = capsys.readouterr().out
     assert "started in another environment" in said and "variables" in said
 
 
@@ -754,8 +805,8 @@ def test_settings_2_to_4_train_and_profile(preset, tmp_path, monkeypatch, capsys
     names = rewards.PRESETS[preset]
     judges = ["shape", "iou", *[n for n in EIGHT if n not in names][:2]]
     out, epochs = tmp_path / "run", ["--epochs", "2" if preset == "toy2" else "1"]
-    run_recast("--rewards", preset, "--lambda", "0.4,0.2,0.2,0.2", "--judges", ",".join(judges),
-               *TINY, *epochs, "--out", str(out))  # fmt: skip
+    main_here("--rewards", preset, "--lambda", "0.4,0.2,0.2,0.2", "--judges", ",".join(judges),
+              *TINY, *epochs, "--out", out)  # fmt: skip
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for n in names:
         assert math.isfinite(lines[-1][f"reward/{n}"]) and f"gap/{n}" in lines[-1]
@@ -925,7 +976,7 @@ def test_judges_and_tensorboard_log(tmp_path):
 
     out = tmp_path / "run"
     flags = ["--rewards", "position,color", "--lambda", "0.5,0.5", "--judges", "sharpness,shape"]
-    run_recast(*flags, *TINY, "--log", "tensorboard", "--out", str(out))
+    main_here(*flags, *TINY, "--log", "tensorboard", "--out", out)
     lines = metrics_of(out)
     assert "reward/sharpness" not in lines[1] and "reward/position" in lines[1]
     for key in ("eval/sharpness", "gap/sharpness", "eval/shape", "eval/position"):
@@ -984,41 +1035,37 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
                   1, recast.RESUMABLE)  # fmt: skip
 
 
-def run_patched(tmp_path, patch: str, *flags, timeout=1800):
-    """recast.main(flags) in a fresh process after `patch` (e.g. a faulty reward) has run, its
-    faults handled as `python recast.py` handles them (rundir.run_main). The
-    timeout only catches a hang: a tiny run takes about a minute alone, many on a loaded machine."""
-    script = tmp_path / "run_patched.py"
-    script.write_text(
-        f"import sys\nsys.path.insert(0, {HERE!r})\nimport torch\nimport rewards\nimport recast\n"
-        f"from plumbing import rundir\n{patch}\n"  # then as `python recast.py` runs main
-        f"rundir.run_main(lambda: recast.main({list(flags)!r}), "
-        "(rewards.RewardError, FloatingPointError))\n"
-    )
-    return subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=timeout
-    )
+def main_here_faults(capsys, *flags) -> tuple[int, str]:
+    """main_here(flags) with a run's faults handled as `python recast.py` handles them
+    (rundir.run_main: exit 1 and one line): (exit code, stderr)."""
+    from plumbing import rundir
+
+    capsys.readouterr()
+    try:
+        rundir.run_main(lambda: main_here(*flags), (rewards.RewardError, FloatingPointError))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
 
 
 def metrics_of(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path):
-    patch = (
-        "good = rewards.REWARDS['color']\n"
-        "bad = lambda im, p: good(im, p).index_fill(0, torch.tensor([2]), float('inf'))\n"
-        "rewards.REWARDS['color'] = bad"
-    )
-    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
-    assert done.returncode == 1
-    assert "'color'" in done.stderr and "prompt '" in done.stderr and "inf" in done.stderr
+def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monkeypatch, capsys):
+    good = rewards.REWARDS["color"]
+    bad = lambda im, p: good(im, p).index_fill(0, torch.tensor([2]), float("inf"))  # noqa: E731
+    monkeypatch.setitem(rewards.REWARDS, "color", bad)
+    code, err = main_here_faults(capsys, "--lambda", "0.4,0.2,0.2,0.2", *TINY,
+                                 "--out", tmp_path / "run")  # fmt: skip
+    assert code == 1
+    assert "'color'" in err and "prompt '" in err and "inf" in err
 
 
-def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path):
-    patch = "rewards.REWARDS['color'] = lambda im, p: torch.full((len(p),), 0.5)"
-    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
-    assert done.returncode == 0, done.stderr
+def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypatch):
+    monkeypatch.setitem(rewards.REWARDS, "color", lambda im, p: torch.full((len(p),), 0.5))
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", tmp_path / "run")
     for m in metrics_of(tmp_path / "run")[1:]:
         assert m["groups/constant"] == 4  # the four prompt groups of `color`, and nothing else
         assert all(math.isfinite(x) for row in m["D"] + m["gains"] + m["W"] for x in row)
@@ -1026,31 +1073,37 @@ def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path):
         assert max(abs(x) for x in m["D"][1]) == 0  # a constant reward reveals nothing
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    import recast
     from plumbing import checkpoints
 
-    patch = (
-        "calls = [0]\ngood = recast.nft_loss\n"
-        "def bad(*a, **k):\n    calls[0] += 1\n"
-        "    return good(*a, **k) * (float('nan') if calls[0] > 5 else 1.0)\n"
-        "recast.nft_loss = bad"
-    )  # epoch 1 has 4·4·10/32 = 5 optimizer steps: the 6th, in epoch 2, returns NaN
-    done = run_patched(tmp_path, patch, "--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", "run")
-    assert done.returncode == 1 and "loss is nan" in done.stderr
+    calls, good = [0], recast.nft_loss
+
+    def bad(*a, **k):
+        calls[0] += 1
+        return good(*a, **k) * (float("nan") if calls[0] > 5 else 1.0)
+
+    monkeypatch.setattr(recast, "nft_loss", bad)
+    # epoch 1 has 4·4·10/32 = 5 optimizer steps: the 6th, in epoch 2, returns NaN
+    code, err = main_here_faults(capsys, "--lambda", "0.4,0.2,0.2,0.2", *TINY,
+                                 "--out", tmp_path / "run")  # fmt: skip
+    assert code == 1 and "loss is nan" in err
     assert sorted(os.listdir(tmp_path / "run" / "ckpt")) == ["epoch_0001"]
     tensors, _, state = checkpoints.load_latest(str(tmp_path / "run"))
     assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in tensors.values())
     assert [m["epoch"] for m in metrics_of(tmp_path / "run")] == [0, 1]
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+@pytest.mark.xdist_group("tiny_run")  # one worker runs tiny_run once for both
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tiny_run, tmp_path, capsys):
     out = tmp_path / "run"
-    run_recast("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", str(out))
+    shutil.copytree(tiny_run, out)
     weights = out / "ckpt" / "epoch_0002" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    done = run_recast("--out", str(out), "--resume", "--epochs", "3")
-    assert "epoch_0002 is unusable" in done.stdout and "resuming" in done.stdout
-    assert "after epoch 1" in done.stdout
+    capsys.readouterr()
+    main_here("--out", out, "--resume", "--epochs", "3")
+    said = capsys.readouterr().out
+    assert "epoch_0002 is unusable" in said and "resuming" in said and "after epoch 1" in said
     assert [m["epoch"] for m in metrics_of(out)] == [0, 1, 2, 3]
 
 
@@ -1077,7 +1130,7 @@ def test_sigint_finishes_the_epoch_checkpoints_and_resumes(tmp_path):
     assert "Traceback" not in stderr and "--resume" in stdout
     done = metrics_of(out)[-1]["epoch"]
     assert sorted(os.listdir(out / "ckpt"))[-1] == f"epoch_{done:04d}"
-    run_recast("--out", str(out), "--resume", "--epochs", str(done + 1))
+    main_here("--out", out, "--resume", "--epochs", done + 1)
     assert [m["epoch"] for m in metrics_of(out)] == list(range(done + 2))
 
 

@@ -19,6 +19,7 @@ from benchmarks import modelzoo
 from benchmarks import scale_check as sc
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.xdist_group("scale_check")  # one worker builds `shrunk` for all
 LAM = [0.4, 0.2, 0.2, 0.2]
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks import modelzoo
+from test_recast import main_here
 from worlds import families
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -248,20 +249,19 @@ def metrics_of(out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sd3"])
 def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, reward_env,
-                                            tmp_path):  # fmt: skip
+                                            tmp_path, capsys):  # fmt: skip
     """One epoch, then --resume to two: the same metrics as two epochs without a stop, the
     adapters train, W has λ's rows and 1/T's columns; --profile writes its profile (SD3's runs
     are test_recast.py's)."""
-    script, out = os.path.join(HERE, "recast.py"), tmp_path / "run"
+    out, env = tmp_path / "run", {**reward_env, "OMP_NUM_THREADS": "1"}
     flags = ["--model", tiny_dirs(variant), *VARIANTS[variant][1], "--prompts-file", prompts_file,
              *RUN]  # fmt: skip
-    run(sys.executable, script, *flags, "--epochs", "1", "--out", str(out), env=reward_env)
-    run(sys.executable, script, *flags, "--epochs", "2", "--resume", "--out", str(out),
-        env=reward_env)  # fmt: skip
+    main_here(*flags, "--epochs", "1", "--out", out, env=env)  # in this process: no start-up
+    main_here(*flags, "--epochs", "2", "--resume", "--out", out, env=env)
     lines = metrics_of(out)
     assert [m["epoch"] for m in lines] == [0, 1, 2]
     whole = tmp_path / "whole"  # the same two epochs without a stop: the same numbers
-    run(sys.executable, script, *flags, "--epochs", "2", "--out", str(whole), env=reward_env)
+    main_here(*flags, "--epochs", "2", "--out", whole, env=env)
     for a, b in zip(lines, metrics_of(whole), strict=True):  # epoch 1 was the first run's last,
         assert {k: v for k, v in a.items() if k in b and not k.startswith("time/")} == {
             k: v for k, v in b.items() if not k.startswith("time/")
@@ -277,9 +277,9 @@ def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, re
     B = [v for k, v in state.items() if ".default." in k and "lora_B" in k]
     assert B and sum(int(b.abs().max() > 0) for b in B) > len(B) // 2  # trained
     profile = tmp_path / "profile"
-    said = run(sys.executable, script, *flags, "--profile", "--out", str(profile),
-               env=reward_env).stdout  # fmt: skip
-    assert "wrote" in said
+    capsys.readouterr()
+    main_here(*flags, "--profile", "--out", profile, env=env)
+    assert "wrote" in capsys.readouterr().out
     p = json.loads((profile / "profile.json").read_text())
     assert p["names"] == ["pickscore", "aesthetic"] and p["images_scored"] == 4
 
