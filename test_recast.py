@@ -656,30 +656,23 @@ def main_here(*flags, env=None) -> None:
     call (OMP_NUM_THREADS as torch's threads); what the run sets (signal handlers, threads) is
     restored afterwards."""
     import signal
+    from unittest import mock
 
     import recast
     from kernels import nft_loss, renyi
 
     env = dict(env or {})
-    saved = {k: os.environ.get(k) for k in env}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    threads, interpret = torch.get_num_threads(), (nft_loss._INTERPRET, renyi._INTERPRET)
-    os.environ.update(env)
-    if "OMP_NUM_THREADS" in env:
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    nft_loss._INTERPRET = renyi._INTERPRET = False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", threads)))
     try:
-        recast.main([str(f) for f in flags])
+        with mock.patch.dict(os.environ, env), mock.patch.object(nft_loss, "_INTERPRET", False), \
+                mock.patch.object(renyi, "_INTERPRET", False):  # fmt: skip
+            recast.main([str(f) for f in flags])
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for s, h in handlers.items():
             signal.signal(s, h)
         torch.set_num_threads(threads)
-        nft_loss._INTERPRET, renyi._INTERPRET = interpret
 
 
 def run_recast(*flags, check=True, **kw):
