@@ -859,5 +859,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
         stop.exit()  # 130 after SIGINT, 143 after SIGTERM
 
 
-if __name__ == "__main__":  # a fault of the run (not of the code): exit 1 and one line
-    rundir.run_main(main, (rewards.RewardError, FloatingPointError))
+FAULTS = (rewards.RewardError, FloatingPointError)  # a run's faults, not the code's: exit 1, a line
+
+if __name__ == "__main__":
+    rundir.run_main(main, FAULTS)

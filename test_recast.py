@@ -1031,11 +1031,12 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
 def main_here_faults(capsys, *flags) -> tuple[int, str]:
     """main_here(flags) with a run's faults handled as `python recast.py` handles them
     (rundir.run_main: exit 1 and one line): (exit code, stderr)."""
+    import recast
     from plumbing import rundir
 
     capsys.readouterr()
     try:
-        rundir.run_main(lambda: main_here(*flags), (rewards.RewardError, FloatingPointError))
+        rundir.run_main(lambda: main_here(*flags), recast.FAULTS)
         code = 0
     except SystemExit as e:
         code = e.code
