@@ -70,7 +70,7 @@ sys.path.insert(0, ROOT)
 from plumbing import eval_images, reward_profile  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
 from studies.judge import prefer_by_distance, preference_rate, toy_distances  # noqa: E402
-from studies.summarize import mean_std, spearman  # noqa: E402
+from studies.summarize import mean_std, spearman, spearman_bar  # noqa: E402
 from worlds.toyworld import ToyWorld  # noqa: E402
 
 BUDGETS = ["0.4,0.2,0.2,0.2", "0.2,0.4,0.2,0.2", "0.2,0.2,0.4,0.2", "0.2,0.2,0.2,0.4",
@@ -218,11 +218,22 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "names": list(TOY3 if k == 3 else TOY4),
             "judges": JUDGES3 if k == 3 else JUDGES4,
             "sections": [lambda r: claims_lines(r)],
-            "closing": [lambda r: ship_lines(r)],
+            "closing": [lambda r: ship_lines(r), lambda r: prediction_lines(r)],
         }
         for k in (3, 4)
     },
 }
+# The test's prediction (docs/results.md): W's L1 distance from λ/T on the base model, per budget
+# in BUDGETS' order, as `python recast.py --profile [--rewards toyK] --lambda λ --prompts 64`
+# prints it; settings 3 and 4 written in the protocol before any run, settings 1 and 2 measured
+# from the protocol's commit before any test result was read ("Changes to this protocol").
+PROFILE_L1 = {
+    "dev1": (0.52, 0.53, 0.53, 0.63, 0.55),
+    "dev2": (0.37, 0.29, 0.35, 0.30, 0.34),
+    "setting3": (0.58, 0.47, 0.49, 0.48, 0.51),
+    "setting4": (0.40, 0.37, 0.38, 0.46, 0.41),
+}
+SETTINGS = (("dev1", "d1-"), ("dev2", "d2-"), ("setting3", "t3-"), ("setting4", "t4-"))
 REPRODUCE = [("0.4,0.2,0.2,0.2", "uniform", 0), ("0.4,0.2,0.2,0.2", "recast-tau1", 0)]
 REPRODUCE_TOL = 1e-5  # the shift study's protocol (docs/results.md)
 
@@ -653,9 +664,10 @@ def report(args) -> None:
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
                      f"{'beats' if beats(words) else 'does not beat'} {base}"
                      + (" (so far)" if partial else ""))  # fmt: skip
-    if study["pairs"]:
+    pairs = [(a, b, why) for a, b, why in study["pairs"] if a in arms and b in arms]  # --arms
+    if pairs:
         lines += ["", "Other paired comparisons, per budget (same rule; win: a above b):", ""]
-    for a, b, why in study["pairs"]:
+    for a, b, why in pairs:
         for lam in budgets:
             d, se = paired(gap[lam, a], gap[lam, b])
             lines.append(f"- {why}, λ = {lam}: {a} − {b} = {d:+.3f} ± {se:.3f}, {verdict(d, se)}")
@@ -668,7 +680,7 @@ def report(args) -> None:
         lines += more
         more, pair_words[a] = pairwise_lines(fin, seeds, budgets, a, base)
         lines += more
-    for a, b, _ in study["pairs"]:
+    for a, b, _ in pairs:
         lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
         lines += pairwise_lines(fin, seeds, budgets, a, b)[0]
     r = Report(args, study, arms, base, out_dir, res, fin, seeds, budgets, gap, summary,
@@ -804,6 +816,39 @@ def ship_lines(r: Report) -> list[str]:
     tail = "" if complete else " (so far: not every run is finished, this decides nothing)"
     ships = ok and beat
     out.append(f"- the candidate {'becomes' if ships else 'does not become'} the default{tail}")
+    return out
+
+
+def prediction_lines(r: Report) -> list[str]:
+    """The test's prediction from `--profile` (docs/results.md): across the (setting, budget) cells
+    of settings 1–4, does the base model's W distance from λ/T (PROFILE_L1) order ReCAST as
+    shipped's gain over uniform, and over sum (the mean paired difference of the λ-weighted gap)?
+    It holds for a comparison when Spearman ρ passes the one-sided 5% permutation threshold."""
+    out = ["", "The --profile prediction (docs/results.md): per (setting, budget) cell, the base "
+           "model's W distance from λ/T and ReCAST as shipped's mean paired gain:", ""]  # fmt: skip
+    far, gain, complete = [], {"uniform": [], "sum": []}, True
+    for study, prefix in SETTINGS:
+        arms = [prefix + a for a in ("recast", "uniform", "sum")]
+        res = finished(r.args, arms)
+        for lam, dist in zip(BUDGETS, PROFILE_L1[study], strict=True):
+            seeds = [s for s in range(r.args.seeds) if all((lam, a, s) in res for a in arms)]
+            complete &= len(seeds) == r.args.seeds
+            if len(seeds) < 2:
+                continue
+            g = [[evals(res[lam, a, s])[-1]["gap/weighted"] for s in seeds] for a in arms]
+            far.append(dist)
+            for b, other in zip(gain, g[1:], strict=True):
+                gain[b].append(paired(g[0], other)[0])
+            out.append(f"- {study}, λ = {lam}: distance {dist:.2f}; over uniform "
+                       f"{gain['uniform'][-1]:+.3f}, over sum {gain['sum'][-1]:+.3f}")  # fmt: skip
+    if len(far) < 3:
+        return [*out, "- nothing to decide yet"]
+    bar, tail = spearman_bar(far), "" if complete else " (so far: this decides nothing)"
+    for b, gs in gain.items():
+        rho = spearman(far, gs)
+        out.append(f"- the distance orders the gain over {b}: ρ {rho:+.2f} over {len(far)} cells "
+                   f"against the one-sided 5% permutation threshold {bar:.2f}: "
+                   f"{'held' if rho > bar else 'did not hold'}{tail}")  # fmt: skip
     return out
 
 

@@ -22,19 +22,31 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def ranks(v) -> torch.Tensor:
+    """Centred ranks; tied values share their mean rank."""
+    v = torch.as_tensor(v, dtype=torch.float64).flatten()
+    r = v.argsort().argsort().double()
+    for u in v.unique():
+        r[v == u] = r[v == u].mean()
+    return r - r.mean()
+
+
 def spearman(x, y) -> float:
     """Rank correlation; tied values share their mean rank; nan when either side is constant."""
-
-    def ranks(v):
-        v = torch.as_tensor(v, dtype=torch.float64).flatten()
-        r = v.argsort().argsort().double()
-        for u in v.unique():
-            r[v == u] = r[v == u].mean()
-        return r - r.mean()
-
     a, b = ranks(x), ranks(y)
     den = float(a.norm() * b.norm())
     return float(a @ b) / den if den > 0 else float("nan")
+
+
+def spearman_bar(x, level: float = 0.95, perms: int = 100_000) -> float:
+    """The one-sided permutation threshold of Spearman ρ against x: the `level` quantile of ρ
+    between x (its ties kept) and the gains' ranks in random order (a fixed generator)."""
+    a = ranks(x)
+    b = torch.arange(len(a), dtype=torch.float64)
+    b -= b.mean()
+    order = torch.rand(perms, len(a), generator=torch.Generator().manual_seed(0)).argsort(1)
+    rho = (b[order] @ a) / float(a.norm() * b.norm())
+    return float(rho.quantile(level))
 
 
 def fmt(xs: list[float]) -> str:
