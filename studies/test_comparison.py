@@ -390,3 +390,14 @@ def test_the_profile_prediction_over_the_four_settings(tmp_path, slope, held):
         line = (f"- the distance orders the gain over {b}: ρ {rho} over 20 cells against the "
                 f"one-sided 5% permutation threshold 0.38: {held}")  # fmt: skip
         assert line in table.splitlines()
+    # the four settings side by side: ReCAST against uniform wins (or loses) in every budget of
+    # every setting, the judges tie, the candidate was not run, no eval images were kept
+    lines = table.splitlines()
+    row = next(x for x in lines if x.startswith("| ReCAST − uniform | "))
+    word = "5/0/0" if slope > 0 else "0/0/5"
+    assert row.count(f"| {word}, ") == 4 and row.count("; loses no judge") == 4, row
+    assert "| joint − sum | not run | not run | not run | not run |" in lines
+    claim = "beats: shown" if slope > 0 else "loses: not shown"
+    assert f"| 1. training rewards improve or match | {claim} | {claim} |" in table
+    assert "| 2. every held-out judge improves | 0 of 6 beat: not shown | 0 of 6 beat" in table
+    assert "| 3. the pairwise judge prefers ReCAST | not measured | not measured |" in table
