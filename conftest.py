@@ -1,16 +1,16 @@
 """pytest set-up shared by every test file: the Triton interpreter for the kernel tests on CPU.
 
-Triton reads TRITON_INTERPRET when @triton.jit decorates a function: ours when recast_kernels/*.py
-is imported, and triton.language's own jit helpers (tl.sum, tl.zeros, ...) when triton itself is
-first imported; it reads the setting again while launching. An interpreted kernel cannot call a
-compiled helper, and a kernel cannot be compiled in a process whose helpers are interpreted. Hence,
-since pytest imports this file before any test module:
+Triton reads TRITON_INTERPRET when @triton.jit decorates a function: ours when kernels/*.py is
+imported, and triton.language's own jit helpers (tl.sum, tl.zeros, ...) when triton itself is first
+imported; it reads the setting again while launching. An interpreted kernel cannot call a compiled
+helper, and a kernel cannot be compiled in a process whose helpers are interpreted. Hence, since
+pytest imports this file before any test module:
 - it sets TRITON_INTERPRET=1 before the first `import triton` of the process (torch and pytest do
   not import triton), pins the setting for this process with triton.knobs, and restores the
   environment, so that subprocesses (recast.py runs, the ahead-of-time compilation test) are not
   interpreted. Every nft_loss/renyi_gains call on CPU tensors in this pytest process then runs the
-  (slow) interpreted kernels, in recast_kernels/test_*.py and in test_recast.py alike, except
-  whole runs started with test_recast.main_here (the reference path, as `python recast.py` does);
+  (slow) interpreted kernels, in kernels/test_*.py and in test_recast.py alike (except whole runs
+  started with test_recast.main_here, which take the reference path as `python recast.py` does);
 - if triton was imported earlier (a plugin, or pytest started from a process that had imported it),
   it stops with a message saying so rather than letting the kernel tests compare the reference
   with itself.

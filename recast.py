@@ -185,18 +185,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import rewards
-from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
-from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
-from plumbing.plots import timestep_centroid
-from plumbing.seeding import epoch_generator
-from recast_kernels.nft_loss import nft_loss
-from recast_kernels.renyi import (
+from kernels.nft_loss import nft_loss
+from kernels.renyi import (
     gain_profiles,
     group_optimality,
     joint_optimality,
     recast_weights,
     renyi_gains,
 )
+from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
+from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
+from plumbing.plots import timestep_centroid
+from plumbing.seeding import epoch_generator
 from worlds import hub, toyworld
 
 
@@ -563,8 +563,8 @@ def pair_loss(world: World, args: Args, sigmas, x0, cond, r, W, n, i, eps, loss_
 def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
     """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
     index, in micro-batches of --batch-size pairs, --grad-accum of them per optimizer step.
-    `nft_loss` is the fused kernel; `reference_nft_loss` in recast_kernels/nft_loss.py is the same
-    loss in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
+    `nft_loss` is the fused kernel; `reference_nft_loss` in kernels/nft_loss.py is the same loss
+    in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
     args, world, T = run.args, run.world, run.args.steps
     W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
     W_train, device = W_train.to(world.device), world.device

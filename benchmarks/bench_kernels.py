@@ -40,9 +40,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from recast_kernels import nft_loss as nft_module  # noqa: E402
-from recast_kernels import renyi as renyi_module  # noqa: E402
-from recast_kernels.aot import launch_specs, specialised_source  # noqa: E402
+from kernels import nft_loss as nft_module  # noqa: E402
+from kernels import renyi as renyi_module  # noqa: E402
+from kernels.aot import launch_specs, specialised_source  # noqa: E402
 
 QUANTILES = [0.5, 0.2, 0.8]
 SIZES = [  # (label, N, per-image shape, dtype)
@@ -134,7 +134,7 @@ def timed(fn) -> dict:
 
 def check_nft(inputs) -> dict:
     """The kernel's loss and gradient against the float64 reference on the GPU, with the tests'
-    rule (recast_kernels/test_nft_loss.py::within_rule)."""
+    rule (kernels/test_nft_loss.py::within_rule)."""
     dtype = inputs["v_theta"].dtype
 
     def loss_grad(fn, args):
@@ -239,7 +239,7 @@ def renyi_scores(n_rewards, n_steps, n, device):
 
 def check_renyi(scores, group_size) -> tuple[bool, float, float]:
     """(ok, max |ΔD|, max |Δgains|) of the kernel against the float64 reference on the GPU, with
-    the tests' rule at α = 2 (recast_kernels/test_renyi.py::tolerance)."""
+    the tests' rule at α = 2 (kernels/test_renyi.py::tolerance)."""
     D, gains = renyi_module.renyi_gains(scores, group_size)
     D_64, gains_64 = renyi_module.reference_renyi_gains(scores, group_size)
     D_32, gains_32 = renyi_module._reference_gains(scores, group_size, 2.0, 5.0, torch.float32)

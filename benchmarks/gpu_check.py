@@ -7,7 +7,7 @@ about 5 minutes and at most 8 on one H100/H200 (each step has a time limit withi
 Steps, in order:
 1. in the background, the 2-epoch toy run on the CPU:
    python recast.py --lambda 0.4,0.2,0.2,0.2 --epochs 2 --device cpu --out OUT/toy_cpu
-2. the kernel tests on CUDA: RECAST_TEST_DEVICE=cuda python -m pytest -q recast_kernels
+2. the kernel tests on CUDA: RECAST_TEST_DEVICE=cuda python -m pytest -q kernels
    (the kernels compiled and run on the GPU, with the same tolerances as under the interpreter);
 3. no host sync: torch.cuda.set_sync_debug_mode("error") around nft_loss forward and backward (also
    with grad_output ≠ 1, and under no_grad) and renyi_gains; and a control showing the mode does
@@ -88,8 +88,8 @@ def no_sync_check() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from recast_kernels import nft_loss as nft
-    from recast_kernels import renyi
+    from kernels import nft_loss as nft
+    from kernels import renyi
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     # 2. kernel tests on CUDA
     cuda_tests = offline_env(RECAST_TEST_DEVICE="cuda")
-    steps.run("kernel tests on CUDA", [py, "-m", "pytest", "-q", "recast_kernels"], 240, cuda_tests)
+    steps.run("kernel tests on CUDA", [py, "-m", "pytest", "-q", "kernels"], 240, cuda_tests)
     # 3. no host sync
     steps.run("no host sync", [py, __file__, "--no-sync-step"], 90)
     # 4. the benchmark, once the CPU run is done

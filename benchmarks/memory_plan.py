@@ -31,8 +31,8 @@ fused AdamW does not run on meta tensors):
 - recast: recast.trajectory_scores on the scored groups' T-1 step predictions, in
   --score-precision (recast.score_steps' own autocast takes no meta tensors);
 - update: one micro-batch of nft_update: world.v of the policy (with grad, through LoRA), the old
-  and the reference, recast_kernels.nft_loss, backward, gradient clipping and the AdamW step, with
-  the optimizer's state already made (a later step's peak);
+  and the reference, kernels.nft_loss, backward, gradient clipping and the AdamW step, with the
+  optimizer's state already made (a later step's peak);
 - eval: recast.evaluate on the last --batch-size held-out images, the earlier ones held.
 Tensors the loop keeps from one phase into the next (x0, x̂0, scores, the base model's eval images)
 are carried, as recast.main keeps them. Per phase it prints the peak allocated GiB, split into
@@ -70,8 +70,8 @@ from tqdm import tqdm  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from benchmarks import memtrace, modelzoo  # noqa: E402
+from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 from plumbing import cli  # noqa: E402
-from recast_kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 from worlds import diffusersworld, families  # noqa: E402
 
 PHASES = ("rollout", "score", "recast", "update", "eval")

@@ -37,8 +37,8 @@ What it does
    /proc/self/status after /proc/self/clear_refs), around step scoring and gains + Sinkhorn
    within time/recast, around the fused loss's forward and each micro-batch's backward (CUDA
    events on CUDA, perf_counter on CPU), and around each epoch's save (wall time per epoch).
-3. Measures the peak memory of recast_kernels.nft_loss.nft_loss (fused) against reference_nft_loss
-   at the real micro-batch (--batch-size pairs of fp32 latents, forward + backward): on CUDA with
+3. Measures the peak memory of kernels.nft_loss.nft_loss (fused) against reference_nft_loss at
+   the real micro-batch (--batch-size pairs of fp32 latents, forward + backward): on CUDA with
    max_memory_allocated; on CPU from torch.profiler's memory timeline (where nft_loss, outside
    the Triton interpreter, is reference_nft_loss itself).
 4. The cost model: FLOPs of every component, counted by torch.utils.flop_counter on models built
@@ -613,7 +613,7 @@ def loss_memory(device, batch: int, latent: tuple, K: int, T: int) -> dict:
     recast.py passes: world.v returns fp32), with v_ref (κ > 0)."""
     import torch
 
-    from recast_kernels.nft_loss import nft_loss, reference_nft_loss
+    from kernels.nft_loss import nft_loss, reference_nft_loss
 
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randn(batch, *latent, generator=gen) for _ in range(5)]

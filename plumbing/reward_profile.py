@@ -2,14 +2,14 @@
 and its centroid, the W that ReCAST would use and how far it is from uniform weighting, all with
 their spread over bootstrap resamples of the prompt groups, and the lines it prints.
 
-A leaf beside the loop: it imports torch, recast_kernels/renyi.py and plots.timestep_centroid, never
+A leaf beside the loop: it imports torch, kernels/renyi.py and plots.timestep_centroid, never
 recast.py.
 """
 
 import torch
 
+from kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
 from plumbing.plots import timestep_centroid
-from recast_kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
 
 BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
 

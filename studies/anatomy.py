@@ -10,10 +10,10 @@ It calls the functions recast.py trains with, on the first epoch of the default 
    prediction and the final image (DESIGN §4) → scores.png, the group's scores along the steps,
    and the step from which each reward's ranking of the group is settled (its Spearman ρ with the
    final ranking stays ≥ SETTLED from there on, mean over all groups);
-3. recast_kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
+3. kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
    marginals (DESIGN §4-5) → gains.png;
-4. recast_kernels.renyi.group_optimality (recast.optimality): r per reward and group (DESIGN §3),
-   and the mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i that the NFT loss trains each (image,
+4. kernels.renyi.group_optimality (recast.optimality): r per reward and group (DESIGN §3), and the
+   mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i that the NFT loss trains each (image,
    timestep) pair toward (DESIGN §6), under ReCAST's W and under uniform W = λ/T → mix.png.
 """
 
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import recast  # noqa: E402
+from kernels.renyi import gain_profiles, recast_weights, renyi_gains  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
-from recast_kernels.renyi import gain_profiles, recast_weights, renyi_gains  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
 SETTLED = 0.8  # a ranking is settled from the first step whose ρ with the final one stays ≥ this

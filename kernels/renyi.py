@@ -43,7 +43,7 @@ with no positive gain is flat). recast_weights(gains, lam, tau=1.0, floor=0.1, s
 the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums 1/T, in the log
 domain and float64, returned as fp32 on the CPU. shift S (shift_gains) credits g_k,i-S to column
 i instead of g_k,i: the alignment question of DESIGN §4. So this one file takes a trainer from
-step scores to the W that recast_kernels/nft_loss.py consumes.
+step scores to the W that kernels/nft_loss.py consumes.
 
 Dtypes, launch and synchronisation
 ----------------------------------
@@ -61,9 +61,9 @@ Value checks
 ------------
 Shapes, dtypes and the arguments are always checked. That the scores are finite is checked only
 where it costs no synchronisation: for CPU tensors, or on CUDA when CHECK_VALUES is True
-(`recast_kernels.renyi.CHECK_VALUES = True`, a debugging switch), and never while torch.compile
-traces or on meta and fake tensors, which have no values to read. Without it, a NaN or inf among the
-final scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
+(`kernels.renyi.CHECK_VALUES = True`, a debugging switch), and never while torch.compile traces or
+on meta and fake tensors, which have no values to read. Without it, a NaN or inf among the final
+scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
 (the step-0 scores are never read: D[k, 0] is 0 by definition).
 
 Tracing, torch.compile and memory plans
@@ -185,8 +185,8 @@ def joint_optimality(
     A_k = (s_k - mean_group s_k) / (std_group Σ_k λ_k s_k + 1e-4), r_k = 1/2 + A_k / (2 A_max).
 
     Not clipped per reward: Σ_k λ_k A_k is the summed reward's advantage, and the loss clamps the
-    mix r̄ = Σ_k T W_k,i r_k to [0, 1] (the mixed advantage to ±A_max, recast_kernels/nft_loss.py),
-    so W = λ/T gives the summed reward's r̄ exactly, clip included. A group whose summed score is
+    mix r̄ = Σ_k T W_k,i r_k to [0, 1] (the mixed advantage to ±A_max, kernels/nft_loss.py), so
+    W = λ/T gives the summed reward's r̄ exactly, clip included. A group whose summed score is
     constant gets r = 1/2 for every reward, as the summed reward does.
     """
     _check_final_scores(final_scores, group_size, adv_clip_max, "(K, N)")

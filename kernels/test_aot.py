@@ -1,11 +1,10 @@
 """Ahead-of-time compilation of every kernel for real GPUs (sm_80, sm_90); no GPU needed.
 
 The test runs this file as a script in a fresh Python process without TRITON_INTERPRET (a process
-whose triton was imported under the interpreter cannot compile). The launches are
-recast_kernels/aot.py's (`launch_specs`, the specialisation a real launch gives each kernel) and
-`edge_specs` below.
+whose triton was imported under the interpreter cannot compile). The launches are kernels/aot.py's
+(`launch_specs`, the specialisation a real launch gives each kernel) and `edge_specs` below.
 
-    python recast_kernels/test_aot.py 80 90     # prints a JSON report
+    python kernels/test_aot.py 80 90     # prints a JSON report
 """
 
 import importlib.util
@@ -60,7 +59,7 @@ def edge_specs(nft, renyi):
 
 
 def load_kernel_modules():
-    """recast_kernels/nft_loss.py and recast_kernels/renyi.py, imported from their files."""
+    """kernels/nft_loss.py and kernels/renyi.py, imported from their files."""
     modules = []
     for name in ("nft_loss", "renyi"):
         spec = importlib.util.spec_from_file_location(name, KERNELS_DIR / f"{name}.py")

@@ -3,8 +3,8 @@
 `launch_specs` describes each kernel as the wrappers launch it, with the specialisation a real
 launch gives it: pointers and integers divisible by 16 carry tt.divisibility = 16 (so loads can be
 vectorised), integers equal to 1 become constants; `specialised_source` turns one into the source
-`triton.compile` takes. recast_kernels/test_aot.py compiles every kernel for sm_80 and sm_90 from
-them, and benchmarks/bench_kernels.py builds its sm_90 register table from the same specs.
+`triton.compile` takes. kernels/test_aot.py compiles every kernel for sm_80 and sm_90 from them,
+and benchmarks/bench_kernels.py builds its sm_90 register table from the same specs.
 """
 
 DIVISIBLE = [["tt.divisibility", 16]]

@@ -1,7 +1,7 @@
-"""Tests of recast_kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the
-properties of DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain),
-group_optimality, the weight matrix W of DESIGN §5 (gain_profiles, recast_weights), and the gains
-traced (torch.compile, FakeTensorMode, meta tensors).
+"""Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
+DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), group_optimality, the
+weight matrix W of DESIGN §5 (gain_profiles, recast_weights), and the gains traced (torch.compile,
+FakeTensorMode, meta tensors).
 
 On CPU (the default) the kernel runs in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the tolerances below
@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recast_kernels import renyi
-from recast_kernels.renyi import gain_profiles, recast_weights, shift_gains
+from kernels import renyi
+from kernels.renyi import gain_profiles, recast_weights, shift_gains
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Tests of recast_kernels/nft_loss.py: the fused kernels against reference_nft_loss, the reference
+"""Tests of kernels/nft_loss.py: the fused kernels against reference_nft_loss, the reference
 against DESIGN §6 written out, and the loss traced (torch.compile, FakeTensorMode, meta tensors).
 
 On CPU (the default) the kernels run in the Triton interpreter, switched on by the repository's
@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recast_kernels import nft_loss as nft
+from kernels import nft_loss as nft
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,7 @@
+"""Triton kernels of ReCAST (DESIGN §7): kernels.nft_loss and kernels.renyi.
+
+Each file is self-contained (torch, triton, math) and can be copied alone. Nothing is re-exported
+here, so that `kernels.nft_loss` always names the module, never the function of the same name.
+Their tests are kernels/test_*.py; docs/kernels.md documents both, with the benchmark and the GPU
+check (benchmarks/bench_kernels.py, benchmarks/gpu_check.py).
+"""
