@@ -832,17 +832,14 @@ def prediction_lines(r: Report) -> list[str]:
            "model's W distance from λ/T and ReCAST as shipped's mean paired gain:", ""]  # fmt: skip
     far, gain, complete = [], {"uniform": [], "sum": []}, True
     for study, prefix in SETTINGS:
-        arms = [prefix + a for a in ("recast", "uniform", "sum")]
-        res = finished(r.args, arms)
+        got = {b: versus(r.args, study, prefix + "recast", prefix + b) for b in gain}
+        complete &= all(v["complete"] for v in got.values())
         for lam, dist in zip(BUDGETS, PROFILE_L1[study], strict=True):
-            seeds = [s for s in range(r.args.seeds) if all((lam, a, s) in res for a in arms)]
-            complete &= len(seeds) == r.args.seeds
-            if len(seeds) < 2:
+            if not all(lam in v["gap"] for v in got.values()):
                 continue
-            g = [[evals(res[lam, a, s])[-1]["gap/weighted"] for s in seeds] for a in arms]
             far.append(dist)
-            for b, other in zip(gain, g[1:], strict=True):
-                gain[b].append(paired(g[0], other)[0])
+            for b, v in got.items():
+                gain[b].append(v["gap"][lam][0])
             out.append(f"- {study}, λ = {lam}: distance {dist:.2f}; over uniform "
                        f"{gain['uniform'][-1]:+.3f}, over sum {gain['sum'][-1]:+.3f}")  # fmt: skip
     if len(far) < 3:
@@ -858,9 +855,9 @@ def prediction_lines(r: Report) -> list[str]:
 
 def versus(args, study: str, a: str, b: str) -> dict:
     """a against b in each budget of a study, on the seeds both have finished, by the rule:
-    {"gap": [(d, SE, verdict)], "judges": {judge: [verdict]}, "pairwise": [verdict],
+    {"gap": {budget: (d, SE, verdict)}, "judges": {judge: [verdict]}, "pairwise": [verdict],
     "complete": every seed done}."""
-    res, out = finished(args, [a, b]), {"gap": [], "judges": {}, "pairwise": [], "complete": True}
+    res, out = finished(args, [a, b]), {"gap": {}, "judges": {}, "pairwise": [], "complete": True}
     for lam in BUDGETS:
         seeds = [s for s in range(args.seeds) if (lam, a, s) in res and (lam, b, s) in res]
         out["complete"] &= len(seeds) == args.seeds
@@ -873,7 +870,7 @@ def versus(args, study: str, a: str, b: str) -> dict:
                 [fin[lam, a, s][key] for s in seeds], [fin[lam, b, s][key] for s in seeds]
             )
             if j == "weighted":
-                out["gap"].append((d, se, verdict(d, se)))
+                out["gap"][lam] = (d, se, verdict(d, se))
             else:
                 out["judges"].setdefault(j, []).append(verdict(d, se))
         out["pairwise"] += pairwise_lines(fin, {lam: seeds}, [lam], a, b)[1]
@@ -904,17 +901,18 @@ def side_by_side_lines(r: Report) -> list[str]:
             if not v["gap"]:
                 cells.append("not run")
                 continue
-            words = [w for *_, w in v["gap"]]
+            words = [w for *_, w in v["gap"].values()]
             lost = [j for j, w in v["judges"].items() if w.count("loss") >= 3]
             lost += ["pairwise"] * (v["pairwise"].count("loss") >= 3)
-            cells.append(f"{count(words)}, {statistics.fmean(d for d, *_ in v['gap']):+.3f}; "
+            mean = statistics.fmean(d for d, *_ in v["gap"].values())
+            cells.append(f"{count(words)}, {mean:+.3f}; "
                          f"loses {', '.join(lost) or 'no judge'}")  # fmt: skip
         out.append(f"| {row} | " + " | ".join(cells) + " |")
     claims = {"1. training rewards improve or match": [], "2. every held-out judge improves": [],
               "3. the pairwise judge prefers ReCAST": []}  # fmt: skip
     for st, _ in SETTINGS:
         v = got["ReCAST − uniform", st]
-        words = [w for *_, w in v["gap"]]
+        words = [w for *_, w in v["gap"].values()]
         beaten = sum(beats(w) for w in v["judges"].values())
         claims["1. training rewards improve or match"].append(
             f"{grade(words)}: {'shown' if grade(words) != 'loses' else 'not shown'}" if words
