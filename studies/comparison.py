@@ -695,9 +695,11 @@ def report(args) -> None:
               f"W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
               f"{base}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
               ""]  # fmt: skip
-    for a in (a for a in arms if "recast" in a):
+    for a in (a for a in arms if a != base):
         far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
                for lam in budgets]  # fmt: skip
+        if not any(far):  # W = λ/T throughout (uniform, sum): nothing to relate
+            continue
         gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, base])
                 for lam in budgets]  # fmt: skip
         each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))

@@ -357,6 +357,8 @@ def test_the_tests_shipping_rule(tmp_path, joint_gain, ships):
     assert "- setting3, t3-joint against B: 0.4,0.2,0.2,0.2 (sum)" in table
     said = "becomes the default" if ships else "does not become the default"
     assert f"- the candidate {said}" in table.splitlines()  # complete: no "so far"
+    w_lines = [x for x in table.splitlines() if x.startswith("- t4-") and " → " in x]
+    assert [x.split(":")[0] for x in w_lines] == ["- t4-sum", "- t4-recast", "- t4-joint"]
 
 
 @pytest.mark.parametrize("slope,held", [(0.1, "held"), (-0.1, "did not hold")])
