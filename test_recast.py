@@ -895,6 +895,29 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "prediction,said",
+    [
+        (None, "Two settings are weak evidence"),  # the test of settings 3 and 4 runs
+        ({}, "it did not order ReCAST's gains over uniform or over the summed reward"),
+        (
+            {"uniform": (0.1, -0.02, 0.6), "sum": (0.2, -0.1, 0.5)},
+            "at 0.50: over uniform +0.030 (ρ +0.60); over the summed reward +0.000 (ρ +0.50)",
+        ),
+    ],
+)
+def test_profile_quotes_the_tests_verdict_on_the_distance(monkeypatch, prediction, said):
+    """--profile's closing sentence follows the test's verdict (reward_profile.PREDICTION): the
+    two settings while it runs, no prediction where the distance ordered nothing, the line's
+    prediction at this distance for each comparison where it did."""
+    from plumbing import reward_profile
+
+    monkeypatch.setattr(reward_profile, "PREDICTION", prediction)
+    text = reward_profile.evidence(0.5)
+    assert said in text
+    assert ("setting 1" in text) == (prediction is None)  # quoted as a predictor only while it runs
+
+
 def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch):
     """--score-precision bf16: every step prediction is scored under bf16 autocast, the final
     images (what trains) are not; the gains move a little, W still has λ's rows."""

@@ -848,10 +848,12 @@ def prediction_lines(r: Report) -> list[str]:
         return [*out, "- nothing to decide yet"]
     bar, tail = spearman_bar(far), "" if complete else " (so far: this decides nothing)"
     for b, gs in gain.items():
-        rho = spearman(far, gs)
+        rho, (slope, at0) = spearman(far, gs), statistics.linear_regression(far, gs)
         out.append(f"- the distance orders the gain over {b}: ρ {rho:+.2f} over {len(far)} cells "
                    f"against the one-sided 5% permutation threshold {bar:.2f}: "
-                   f"{'held' if rho > bar else 'did not hold'}{tail}")  # fmt: skip
+                   f"{'held' if rho > bar else 'did not hold'}{tail}; least-squares line: gain ≈ "
+                   f"{slope:+.3f} × distance {at0:+.3f} (reward_profile.PREDICTION "
+                   f"{b!r}: ({slope:.4f}, {at0:.4f}, {rho:.2f}))")  # fmt: skip
     return out
 
 
