@@ -832,7 +832,7 @@ def prediction_lines(r: Report) -> list[str]:
     It holds for a comparison when Spearman ρ passes the one-sided 5% permutation threshold."""
     out = ["", "The --profile prediction (docs/results.md): per (setting, budget) cell, the base "
            "model's W distance from λ/T and ReCAST as shipped's mean paired gain:", ""]  # fmt: skip
-    far, gain, complete = [], {"uniform": [], "sum": []}, True
+    far, gain, complete, who = [], {"uniform": [], "sum": []}, True, []
     for study, prefix in SETTINGS:
         got = {b: versus(r.args, study, prefix + "recast", prefix + b) for b in gain}
         complete &= all(v["complete"] for v in got.values())
@@ -840,6 +840,7 @@ def prediction_lines(r: Report) -> list[str]:
             if not all(lam in v["gap"] for v in got.values()):
                 continue
             far.append(dist)
+            who.append(study)
             for b, v in got.items():
                 gain[b].append(v["gap"][lam][0])
             out.append(f"- {study}, λ = {lam}: distance {dist:.2f}; over uniform "
@@ -854,7 +855,31 @@ def prediction_lines(r: Report) -> list[str]:
                    f"{'held' if rho > bar else 'did not hold'}{tail}; least-squares line: gain ≈ "
                    f"{slope:+.3f} × distance {at0:+.3f} (reward_profile.PREDICTION "
                    f"{b!r}: ({slope:.4f}, {at0:.4f}, {rho:.2f}))")  # fmt: skip
+    plot_prediction(far, gain, who, r.out_dir)
+    out.append("- prediction.png: the cells and the lines")
     return out
+
+
+def plot_prediction(far: list[float], gain: dict, who: list[str], out_dir: str) -> None:
+    """prediction.png: each (setting, budget) cell's gain against its base-model W distance, one
+    panel per comparison, with the least-squares line."""
+    fig, axes = plt.subplots(1, len(gain), figsize=(4.2 * len(gain), 3.2), sharey=True)
+    for ax, (b, gs) in zip(axes, gain.items(), strict=True):
+        for study, _ in SETTINGS:
+            at = [i for i, w in enumerate(who) if w == study]
+            name = "setting " + study[-1]
+            ax.scatter([far[i] for i in at], [gs[i] for i in at], s=22, label=name)
+        slope, at0 = statistics.linear_regression(far, gs)
+        xs = [min(far), max(far)]
+        ax.plot(xs, [slope * x + at0 for x in xs], "k--", lw=1)
+        ax.axhline(0, color="0.7", lw=0.8)
+        ax.set(title=f"ReCAST − {b} (ρ {spearman(far, gs):+.2f})",
+               xlabel="base model's W distance from λ/T")  # fmt: skip
+    axes[0].set_ylabel("mean paired gain, λ-weighted gap")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "prediction.png"), dpi=110)
+    plt.close(fig)
 
 
 def versus(args, study: str, a: str, b: str) -> dict:

@@ -393,6 +393,7 @@ def test_the_profile_prediction_over_the_four_settings(tmp_path, slope, held):
                 f"one-sided 5% permutation threshold 0.38: {held}; least-squares line: gain ≈ "
                 f"{slope:+.3f} × distance {at0}")  # fmt: skip
         assert any(x.startswith(line) for x in table.splitlines()), line
+    assert os.path.getsize(os.path.join(out, "setting4", "prediction.png")) > 0
     # the four settings side by side: ReCAST against uniform wins (or loses) in every budget of
     # every setting, the judges tie, the candidate was not run, no eval images were kept
     lines = table.splitlines()
