@@ -115,8 +115,8 @@ class StorageTracker(TorchDispatchMode):
         as in add_optimizer)."""
 
         def count(p):
-            if p.grad is None:  # seen with module backward hooks (Qwen-Image, --shard's plan)
-                return
+            if p.grad is None:  # no gradient reached it, yet a full backward hook (--shard's
+                return  # plan) fired its hook: Qwen-Image's last text-stream adapters
             self.add(p.grad, "gradients", None if share is None else int(p.grad.nbytes * share(p)))
 
         return [p.register_post_accumulate_grad_hook(count) for p in params]

@@ -75,3 +75,35 @@ def test_emulated_autocast_keeps_what_torch_autocast_keeps():
     # the check can fail: without the emulation the meta trace keeps other copies
     assert planned_peak(False) != pytest.approx(real, rel=0.05)
     assert cpu_peak(autocast=False) != pytest.approx(real, rel=0.05)
+
+
+def test_gradients_are_counted_for_the_parameters_that_get_one():
+    """A two-stream block whose text output feeds nothing (Qwen-Image's last block: its
+    `to_add_out` and `txt_mlp` adapters get no gradient in training). Under a full backward hook
+    (the sharded plan's) the text layer's post-accumulate hooks fire with `.grad` None; the
+    tracker counts the image layer's gradients only, as training holds only those."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.img, self.txt = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x, c):
+            return self.img(x + c), self.txt(c)
+
+    with torch.device("meta"):
+        block = Block()
+    block.register_full_backward_hook(lambda *_: None)
+    fired = []
+    for p in block.txt.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad is None))
+    tracker = memtrace.StorageTracker("meta", round_to=1)
+    hooks = tracker.watch_grads(block.parameters())
+    x, c = torch.randn(2, 8, device="meta"), torch.randn(2, 8, device="meta")
+    with pytest.warns(UserWarning, match="no inputs require gradients"):
+        block(x, c)[0].sum().backward()
+    for h in hooks:
+        h.remove()
+    assert fired == [True, True]  # the hooks fired, on no gradient
+    assert block.txt.weight.grad is None and block.img.weight.grad is not None
+    assert tracker.live["gradients"] == (8 * 8 + 8) * 4  # the image layer's weight and bias
