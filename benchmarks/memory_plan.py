@@ -629,7 +629,10 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
     tracker.add_optimizer(run["opt"], share)
     hooks = tracker.watch_grads(run["params"], share)
     marks = Marks(tracker)
-    with tqdm(total=len(PHASES), desc=desc, leave=False) as bar:
+    with tqdm(total=len(PHASES), desc=desc, leave=False) as bar, warnings.catch_warnings():
+        # Shards' full backward hooks fire on a layer's outputs when none of its inputs needs a
+        # gradient (the first layer's latents), as they should here; torch warns that they do
+        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         with tracker, run["form"]:
             epoch(run, marks, bar)
     for h in hooks:
