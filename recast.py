@@ -336,8 +336,12 @@ def check_rewards(args: Args, names: list[str], judges: list[str]) -> None:
 def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
-    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set."""
-    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
+    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
+    Uniform and sum weighting have no gains in W: their --gain-shift default is 0."""
+    if args.weighting in ("uniform", "sum"):
+        cli.fill_defaults(args, argv, {"gain_shift": 0})
+        return {}
+    if not is_diffusers(args.model):
         return {}
     from worlds import diffusersworld
 
@@ -362,8 +366,6 @@ def setup(argv: list[str] | None) -> "Run":
     if args.shard and not distributed:
         cli.fail("--shard", "shards the models across torchrun's processes: launch with "
                  "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip
-    if args.weighting in ("uniform", "sum"):  # no gains in their W: the shift means nothing there
-        cli.fill_defaults(args, argv, {"gain_shift": 0})
     chosen = scoring_defaults(args, argv)
     cli.check(args, world_size, RESUMABLE)
     rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists

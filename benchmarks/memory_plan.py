@@ -39,8 +39,10 @@ are carried, as recast.main keeps them. Per phase it prints the peak allocated G
 parameters (and buffers), gradients, optimizer state, data carried from earlier phases,
 activations (made by the phase's forwards) and temporaries (backward and the optimizer step).
 
-The verdict adds what the trace does not count: the CUDA context (CONTEXT_GIB), cuBLAS/cuDNN
-workspaces (WORKSPACE_GIB) and the caching allocator's fragmentation (FRAGMENTATION of the peak);
+The trace counts each convolution's cuDNN workspace while it runs (memtrace.conv_workspace, as one
+H200 measured it: benchmarks/decode_memory.py). The verdict adds what the trace does not count:
+the CUDA context (CONTEXT_GIB), cuBLAS workspaces (WORKSPACE_GIB) and the caching allocator's
+fragmentation (FRAGMENTATION of the peak);
 where the run does not fit, it plans again with --grad-checkpointing and smaller --batch-size
 (with --grad-accum keeping the pairs per optimizer step) and names the flags that fit.
 `--check-cpu` runs the same calls for real on the CPU (random weights) and puts each phase's
@@ -89,7 +91,8 @@ CONFIG_MODELS = {"sd35m": ("SD3.5-Medium", "StableDiffusion3Pipeline"),
 EVAL_PROMPTS = 32  # held-out prompts when no --eval-prompts-file is given
 # What the trace does not count (docs/sd35.md says where each figure comes from)
 CONTEXT_GIB = 1.0  # CUDA context and kernels: 0.5-1 GiB on recent drivers; the upper end
-WORKSPACE_GIB = 0.5  # cuBLAS (tens of MiB per stream) and cuDNN convolution workspaces (VAE)
+WORKSPACE_GIB = 0.5  # cuBLAS (tens of MiB per stream); cuDNN's convolution workspaces are traced
+# (memtrace.conv_workspace: a copy of each convolution's input and output, as one H200 measured)
 FRAGMENTATION = 0.10  # reserved - allocated of the caching allocator, as a share of the peak
 GIB = 2**30
 
@@ -614,7 +617,9 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = make_run(own, args, "meta", c, tmp, cpu_form)
-    tracker = memtrace.StorageTracker("meta", 1 if cpu_form else memtrace.CUDA_ROUND)
+    tracker = memtrace.StorageTracker(
+        "meta", 1 if cpu_form else memtrace.CUDA_ROUND, conv_workspace=not cpu_form
+    )  # cuDNN's: the GPU's form
     share = None
     if args.shard:  # FSDP2 on `own.world_size` ranks, emulated (Shards)
         dtype = None if cpu_form else torch.bfloat16  # its MixedPrecisionPolicy's param_dtype
@@ -773,7 +778,7 @@ def lines(report: dict) -> list[str]:
                                                                memtrace.KINDS))  # fmt: skip
     L += ["", f"largest: {v['peak_gib']:.2f} GiB ({v['phase']}); with {FRAGMENTATION:.0%} for the "
           f"allocator's fragmentation, {CONTEXT_GIB} GiB CUDA context and {WORKSPACE_GIB} GiB "
-          f"cuBLAS/cuDNN workspaces: {v['needed_gib']:.2f} GiB of {v['gpu_gib']:g}",
+          f"cuBLAS workspaces: {v['needed_gib']:.2f} GiB of {v['gpu_gib']:g}",
           f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} in {v['gpu_gib']:g} GiB, margin "
           f"{v['margin_gib']:+.2f} GiB"]  # fmt: skip
     for alt in report.get("alternatives", []):

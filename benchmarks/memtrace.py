@@ -23,8 +23,9 @@ nothing is allocated, so SD3.5-Medium's real-size models trace on a laptop.
 Why not torch.distributed._tools.mem_tracker.MemTracker: in torch 2.13 it raises on frozen
 parameters (a grad hook on each) and on a root module called twice (world.v calls the transformer 3
 times per pair), and deep-copies a snapshot per operator (≈ 100 s for one SD3.5 training step).
-What neither counts: the CUDA context, cuBLAS/cuDNN workspaces, the caching allocator's
-fragmentation (reserved − allocated).
+What neither counts: the CUDA context, cuBLAS workspaces, the caching allocator's fragmentation
+(reserved − allocated); cuDNN's convolution workspaces only with `conv_workspace` (as one H200
+measured them).
 """
 
 import contextlib
@@ -44,11 +45,16 @@ CUDA_ROUND = 512  # the CUDA caching allocator rounds every allocation up to 512
 
 class StorageTracker(TorchDispatchMode):
     """Live and peak bytes by kind of the tensors on `device` (host tensors are not the GPU's).
-    `round_to`: allocation granularity (CUDA_ROUND for a GPU; 1 for the CPU allocator's sizes)."""
+    `round_to`: allocation granularity (CUDA_ROUND for a GPU; 1 for the CPU allocator's sizes).
+    `conv_workspace`: count what a convolution allocates while it runs beyond its output
+    (cuDNN's workspace, as `conv_workspace` below: measured on one GPU) as a temporary; off,
+    operators' outputs only."""
 
-    def __init__(self, device: str = "meta", round_to: int = CUDA_ROUND):
+    def __init__(self, device: str = "meta", round_to: int = CUDA_ROUND,
+                 conv_workspace: bool = False):  # fmt: skip
         super().__init__()
-        self.device, self.round_to = device, round_to
+        self.device, self.round_to, self.conv_workspace = device, round_to, conv_workspace
+        self._upsampled: dict[int, weakref.ref] = {}  # storages an upsampling made
         self.kind = "activations"  # of what operators make now
         self.live = dict.fromkeys(KINDS, 0)
         self.peak, self.peak_split = 0, dict(self.live)
@@ -144,7 +150,34 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tree_map_only(torch.Tensor, self.add, out)
+        if not self.conv_workspace:
+            return out
+        if func.overloadpacket in UPSAMPLING:
+            st = out.untyped_storage()
+            self._upsampled[st._cdata] = weakref.ref(st)
+        elif func.overloadpacket is torch.ops.aten.convolution:
+            st = args[0].untyped_storage()
+            ref = self._upsampled.get(st._cdata)
+            after = ref is not None and ref() is st
+            n = conv_workspace(args[0], out, after)
+            scratch = -(-n // self.round_to) * self.round_to
+            self.live["temporaries"] += scratch  # held while the convolution runs, then freed
+            self._update_peak()
+            self.live["temporaries"] -= scratch
         return out
+
+
+UPSAMPLING = {torch.ops.aten.upsample_nearest2d, torch.ops.aten.upsample_nearest3d}
+
+
+def conv_workspace(x: torch.Tensor, out: torch.Tensor, after_upsampling: bool) -> int:
+    """Bytes a cuDNN convolution allocates while it runs, beyond its output, as one NVIDIA H200
+    measured them (torch 2.11, cuDNN 9.19; every convolution of each family's VAE decode at 512
+    and 1024 px, fp32 and bf16 autocast: `python benchmarks/decode_memory.py --convs FILE`,
+    docs/gpu/h200_decode_memory.md and h200_decode_convs.json): a copy of its input and of its
+    output (their bytes, within a few %), except where the input comes straight from a nearest
+    upsampling (≈ 0)."""
+    return 0 if after_upsampling else x.nbytes + out.nbytes
 
 
 # CUDA autocast's op lists (PyTorch's autocast_mode.cpp / the AMP docs), by the Python name a

@@ -197,3 +197,25 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_p
     assert not out.exists()
     if flag == "--model":  # the families it knows at their real size are listed
         assert all(name in err for name in mp.CONFIG_MODELS), err
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "sum"])
+def test_uniform_and_sum_plan_as_recast_py_takes_them(weighting):
+    """Their --gain-shift default is 0, as in recast.py (the planner refused them before)."""
+    _, args = mp.parse(["--weighting", weighting])
+    assert args.weighting == weighting and args.gain_shift == 0
+
+
+def test_a_scale_check_run_is_planned_with_its_own_flags():
+    """plan_vs_measured drops the flags that name the check's files, device and length, keeps
+    the rest, and adds its held-out prompts."""
+    from benchmarks import plan_vs_measured
+
+    run = {"flags": ["--model", "/tmp/x/pipe", "--resolution", "1024", "--prompts-file", "/p",
+                     "--prompts", "2", "--grad-checkpointing", "--device", "cuda", "--out", "/o",
+                     "--epochs", "1", "--weighting", "uniform"],
+           "settings": {"eval_prompts": 4}}  # fmt: skip
+    flags = plan_vs_measured.plan_flags(run)
+    assert flags == ["--resolution", "1024", "--prompts", "2", "--grad-checkpointing",
+                     "--weighting", "uniform", "--eval-prompts", "4", "--no-suggest"]  # fmt: skip
+    mp.parse(flags)  # the planner takes them

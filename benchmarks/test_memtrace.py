@@ -107,3 +107,38 @@ def test_gradients_are_counted_for_the_parameters_that_get_one():
     assert fired == [True, True]  # the hooks fired, on no gradient
     assert block.txt.weight.grad is None and block.img.weight.grad is not None
     assert tracker.live["gradients"] == (8 * 8 + 8) * 4  # the image layer's weight and bias
+
+
+def test_a_convolution_holds_its_workspace_unless_its_input_was_just_upsampled():
+    """With conv_workspace, a convolution's run holds a copy of its input and output beside them
+    (cuDNN's workspace as one H200 measured it: docs/gpu/h200_decode_memory.md), counted in the
+    peak and gone after; a convolution straight after a nearest upsampling holds none."""
+    conv = torch.nn.Conv2d(8, 4, 3, padding=1, device="meta").requires_grad_(False)
+    x = torch.empty(2, 8, 16, 16, device="meta")
+    x_bytes, out_bytes = x.nbytes, 2 * 4 * 16 * 16 * 4
+
+    def peak_above_start(workspace: bool, upsample: bool) -> tuple[int, int]:
+        tracker = memtrace.StorageTracker("meta", round_to=1, conv_workspace=workspace)
+        with tracker, torch.no_grad():
+            tracker.add(x, "data")
+            tracker.reset_peak()
+            start = tracker.peak
+            out = conv(torch.nn.functional.interpolate(x, scale_factor=1.0) if upsample else x)
+            held = sum(tracker.live.values()) - start
+        assert out.shape == (2, 4, 16, 16)
+        return tracker.peak - start, held
+
+    assert peak_above_start(False, False) == (out_bytes, out_bytes)
+    assert peak_above_start(True, False) == (out_bytes + x_bytes + out_bytes, out_bytes)
+    # the upsampled copy of x and the output, no workspace; the copy is freed after
+    assert peak_above_start(True, True) == (x_bytes + out_bytes, out_bytes)
+
+
+def test_the_decode_probe_plans_at_least_what_it_traces():
+    """benchmarks/decode_memory.py on the CPU (a shrunk VAE): the trace and the plan, no GPU."""
+    from benchmarks import decode_memory
+
+    c = decode_memory.modelzoo.load_configs(16)
+    traced = decode_memory.traced(c, "SD3.5-Medium", 2, 64, False)
+    planned = decode_memory.traced(c, "SD3.5-Medium", 2, 64, False, workspace=True)
+    assert 0 < traced < planned

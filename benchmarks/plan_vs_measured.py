@@ -1,0 +1,69 @@
+"""The memory plan beside a GPU's measurement: each run of a scale-check report, planned again.
+
+    python benchmarks/plan_vs_measured.py docs/gpu/h200_scale_check.md
+
+For every complete run in the report's JSON block (benchmarks/scale_check.py), this plans the same
+recast.py flags with benchmarks/memory_plan.py (on this CPU, SD3.5-Medium at its real size on
+the meta device) and prints, per phase, the planned peak, the measured peak
+(torch.cuda.max_memory_allocated, reset at each phase: recast.py's mem/<phase>) and planned ÷
+measured. Flags that name the check's temporary files, device or length are left out; the
+held-out prompts are the report's number of them.
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import memory_plan  # noqa: E402
+
+DROP = {"--model", "--prompts-file", "--eval-prompts-file", "--out", "--device", "--epochs",
+        "--eval-every"}  # fmt: skip
+
+
+def plan_flags(run: dict) -> list[str]:
+    """The run's recast.py flags, as the planner takes them."""
+    flags, out = run["flags"], []
+    i = 0
+    while i < len(flags):
+        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        if flags[i] not in DROP:
+            out += flags[i : i + 1 + takes_value]
+        i += 1 + takes_value
+    return out + ["--eval-prompts", str(run["settings"]["eval_prompts"]), "--no-suggest"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("report", help="a scale check's report (scale_check.md)")
+    args = ap.parse_args(argv)
+    text = open(args.report).read()
+    blocks = re.findall(r"```json\n(.*?)```", text, re.S)
+    if not blocks:
+        sys.exit(f"{args.report}: no JSON block (is it a scale_check.md?)")
+    report = json.loads(blocks[-1])
+    print(f"{report['device']}: measured by benchmarks/scale_check.py; planned here by "
+          "benchmarks/memory_plan.py. Peak allocated GiB per phase.\n")  # fmt: skip
+    print("| run | phase | planned | measured | planned ÷ measured |\n|---|---|---|---|---|")
+    for name, run in report["runs"].items():
+        if not run.get("complete"):
+            continue
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            path = os.path.join(tmp, "plan.json")
+            memory_plan.main(plan_flags(run) + ["--json", path])
+            peaks = json.load(open(path))["peaks"]
+        for phase, measured in run["mem_gib"].items():
+            planned = peaks[phase]["peak"] / 2**30
+            print(f"| {name} | {phase} | {planned:.2f} | {measured:.2f} | "
+                  f"{planned / measured:.3f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
