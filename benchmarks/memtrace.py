@@ -54,7 +54,7 @@ class StorageTracker(TorchDispatchMode):
                  conv_workspace: bool = False):  # fmt: skip
         super().__init__()
         self.device, self.round_to, self.conv_workspace = device, round_to, conv_workspace
-        self._upsampled: dict[int, weakref.ref] = {}  # storages an upsampling made
+        self._upsampled: set[int] = set()  # live storages an upsampling made (keys of _seen)
         self.kind = "activations"  # of what operators make now
         self.live = dict.fromkeys(KINDS, 0)
         self.peak, self.peak_split = 0, dict(self.live)
@@ -88,6 +88,7 @@ class StorageTracker(TorchDispatchMode):
         self._update_peak()
 
     def _free(self, key: int) -> None:
+        self._upsampled.discard(key)
         entry = self._seen.pop(key, None)
         if entry is not None:
             self.live[entry[0]] -= entry[1]
@@ -152,13 +153,10 @@ class StorageTracker(TorchDispatchMode):
         tree_map_only(torch.Tensor, self.add, out)
         if not self.conv_workspace:
             return out
-        if func.overloadpacket in UPSAMPLING:
-            st = out.untyped_storage()
-            self._upsampled[st._cdata] = weakref.ref(st)
+        if func.overloadpacket in UPSAMPLING and out.untyped_storage()._cdata in self._seen:
+            self._upsampled.add(out.untyped_storage()._cdata)  # _free forgets it
         elif func.overloadpacket is torch.ops.aten.convolution:
-            st = args[0].untyped_storage()
-            ref = self._upsampled.get(st._cdata)
-            after = ref is not None and ref() is st
+            after = args[0].untyped_storage()._cdata in self._upsampled
             n = conv_workspace(args[0], out, after)
             scratch = -(-n // self.round_to) * self.round_to
             self.live["temporaries"] += scratch  # held while the convolution runs, then freed

@@ -177,13 +177,18 @@ def family_configs(c: dict, family: str) -> dict:
     return configs
 
 
+def family_vae(c: dict, family: str):
+    """The VAE of a family in FAMILY_CONFIGS (or SD3.5-Medium), built on the current device."""
+    import diffusers
+
+    kind = {"FLUX.2-klein 4B": "AutoencoderKLFlux2", "Qwen-Image": "AutoencoderKLQwenImage"}
+    return getattr(diffusers, kind.get(family, "AutoencoderKL"))(**family_configs(c, family)["vae"])
+
+
 def family_models(c: dict, family: str) -> dict:
     """{"transformer", "vae", "text": [(encoder, tokens per prompt)]} of a family in
     FAMILY_CONFIGS, built on the current device (meta for a count) from benchmarks/configs."""
     from diffusers import (
-        AutoencoderKL,
-        AutoencoderKLFlux2,
-        AutoencoderKLQwenImage,
         Flux2Transformer2DModel,
         FluxTransformer2DModel,
         QwenImageTransformer2DModel,
@@ -202,14 +207,14 @@ def family_models(c: dict, family: str) -> dict:
         texts = [(CLIPTextModel(clip_text_config(c["clip_l_text"])), 77),
                  (T5EncoderModel(t5_config(c["t5xxl_encoder"])), 512)]  # fmt: skip
         return {"transformer": FluxTransformer2DModel(**cfg["transformer"]),
-                "vae": AutoencoderKL(**cfg["vae"]), "text": texts}  # fmt: skip
+                "vae": family_vae(c, family), "text": texts}  # fmt: skip
     if family == "FLUX.2-klein 4B":
         qwen3 = Qwen3ForCausalLM(Qwen3Config(**c["qwen3_4b_text"]))
         return {"transformer": Flux2Transformer2DModel(**cfg["transformer"]),
-                "vae": AutoencoderKLFlux2(**cfg["vae"]), "text": [(qwen3, 512)]}  # fmt: skip
+                "vae": family_vae(c, family), "text": [(qwen3, 512)]}  # fmt: skip
     qwen25 = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**c["qwen25vl7b"]))
     return {"transformer": QwenImageTransformer2DModel(**cfg["transformer"]),
-            "vae": AutoencoderKLQwenImage(**cfg["vae"]), "text": [(qwen25, 111)]}  # fmt: skip
+            "vae": family_vae(c, family), "text": [(qwen25, 111)]}  # fmt: skip
 
 
 def family_pipeline(c: dict, family: str, tokenizers: Path):

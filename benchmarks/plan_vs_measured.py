@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("report", help="a scale check's report (scale_check.md)")
     args = ap.parse_args(argv)
-    text = open(args.report).read()
+    text = Path(args.report).read_text()
     blocks = re.findall(r"```json\n(.*?)```", text, re.S)
     if not blocks:
         sys.exit(f"{args.report}: no JSON block (is it a scale_check.md?)")
@@ -58,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
             path = os.path.join(tmp, "plan.json")
             memory_plan.main(plan_flags(run) + ["--json", path])
-            peaks = json.load(open(path))["peaks"]
+            peaks = json.loads(Path(path).read_text())["peaks"]
         for phase, measured in run["mem_gib"].items():
-            planned = peaks[phase]["peak"] / 2**30
+            planned = peaks[phase]["peak"] / memory_plan.GIB
             print(f"| {name} | {phase} | {planned:.2f} | {measured:.2f} | "
                   f"{planned / measured:.3f} |", flush=True)  # fmt: skip
 
