@@ -337,11 +337,10 @@ def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
     fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
-    Uniform and sum weighting have no gains in W: their --gain-shift default is 0."""
+    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0."""
     if args.weighting in ("uniform", "sum"):
         cli.fill_defaults(args, argv, {"gain_shift": 0})
-        return {}
-    if not is_diffusers(args.model):
+    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
         return {}
     from worlds import diffusersworld
 
