@@ -1095,8 +1095,11 @@ if __name__ == "__main__":
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce"])
     ap.add_argument("--study", choices=list(STUDIES), default="tau",
-                    help="which comparison: tau (the first), shift (the alignment) or scoring "
-                         "(fewer step predictions scored)")  # fmt: skip
+                    help="which comparison: tau (the first), shift (the alignment), scoring "
+                         "(fewer step predictions scored), setting1 and setting2 (the settings "
+                         "comparison), dev1 and dev2 (joint normalisation's development), "
+                         "setting3 and setting4 (the test); docs/results.md has each "
+                         "protocol")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--code", default=ROOT,
