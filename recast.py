@@ -63,10 +63,11 @@ class Args:
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
     reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
     score no step prediction (DiffusionNFT's cost)"""
-    normalize: str = "per-reward"
-    """per-reward (each reward's advantage divided by its own group spread) | joint (every
-    reward's centred score divided by the group spread of the λ-weighted sum, so W = λ/T is
-    --weighting sum exactly): DESIGN §3; not with --weighting sum, which is one reward"""
+    normalize: str = "joint"
+    """joint (every reward's centred score divided by the group spread of the λ-weighted sum, so
+    W = λ/T is --weighting sum exactly) | per-reward (each reward's advantage divided by its own
+    group spread): DESIGN §3; uniform's default is per-reward (joint with uniform is --weighting
+    sum), and sum takes none (one reward)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -337,9 +338,10 @@ def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
     fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
-    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0."""
+    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0, and
+    their --normalize per-reward (uniform with joint is sum; sum is one reward)."""
     if args.weighting in ("uniform", "sum"):
-        cli.fill_defaults(args, argv, {"gain_shift": 0})
+        cli.fill_defaults(args, argv, {"gain_shift": 0, "normalize": "per-reward"})
     if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
         return {}
     from worlds import diffusersworld

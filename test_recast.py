@@ -1051,6 +1051,34 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
                   1, recast.RESUMABLE)  # fmt: skip
 
 
+def test_default_normalize_is_joint_for_recast_and_per_reward_for_uniform(tmp_path, monkeypatch):
+    """The test of settings 3 and 4 made joint ReCAST's default (docs/results.md's shipping rule);
+    uniform keeps per-reward (joint would make it --weighting sum); a given flag wins; a run made
+    before the flag resumes per-reward."""
+    import recast
+    from plumbing import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert recast.Args().normalize == "joint"
+    lam = ["--lambda", "0.4,0.2,0.2,0.2"]
+    for weighting, normalize in (("recast", "joint"), ("reversed", "joint"),
+                                 ("uniform", "per-reward"), ("sum", "per-reward")):  # fmt: skip
+        run = recast.setup([*lam, "--weighting", weighting, "--out", weighting])
+        assert run.args.normalize == normalize, weighting
+    given = [("recast", "per-reward"), ("uniform", "joint")]
+    for weighting, normalize in given:
+        run = recast.setup([*lam, "--weighting", weighting, "--normalize", normalize,
+                            "--out", f"{weighting}-given"])  # fmt: skip
+        assert run.args.normalize == normalize, weighting
+    saved = dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="old"))
+    del saved["normalize"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
+    args = cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+    assert args.normalize == "per-reward"
+    cli.check(args, 1, recast.RESUMABLE)
+
+
 def main_here_faults(capsys, *flags) -> tuple[int, str]:
     """main_here(flags) with a run's faults handled as `python recast.py` handles them
     (rundir.run_main: exit 1 and one line): (exit code, stderr)."""

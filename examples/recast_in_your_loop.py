@@ -3,7 +3,7 @@
     python examples/recast_in_your_loop.py      # CPU or one GPU, no network
 
 What a trainer adds (docs/use_in_your_trainer.md): keep the step predictions x̂0 of the rollout,
-score every reward on them, renyi_gains → gains, recast_weights → W, group_optimality → r per
+score every reward on them, renyi_gains → gains, recast_weights → W, joint_optimality → r per
 reward, and pass (t_index, r, W) to nft_loss where a single-advantage loop passes one r per image.
 """
 
@@ -22,7 +22,7 @@ if __name__ == "__main__" and DEVICE.type == "cpu":
 
 import rewards  # noqa: E402
 from kernels.nft_loss import nft_loss  # noqa: E402
-from kernels.renyi import group_optimality, recast_weights, renyi_gains  # noqa: E402
+from kernels.renyi import joint_optimality, recast_weights, renyi_gains  # noqa: E402
 from worlds import toyworld  # noqa: E402
 
 
@@ -63,7 +63,10 @@ def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> d
     D, gains = renyi_gains(scores, G)  # (K, T+1), (K, T) fp32
     W = recast_weights(gains, lam, shift=1).to(DEVICE)  # (K, T) fp32: rows λ, columns 1/T;
     # shift=1: gain g_i-1 credited to timestep i, recast.py's default (DESIGN §4)
-    r = group_optimality(final, G)  # (K, N) fp32 in [0, 1]
+    # --normalize joint, recast.py's default (DESIGN §3): each reward's centred score over the
+    # group spread of the λ-weighted sum, so W = λ/T would be the summed reward; nft_loss clamps
+    # the mix to [0, 1]. group_optimality(final, G) is --normalize per-reward.
+    r = joint_optimality(final, lam / lam.sum(), G)  # (K, N) fp32
 
     # 4. NFT update on a random half of the N·T (image, timestep) pairs, one optimizer step.
     pairs = torch.randperm(len(x0) * T, generator=gen)[: len(x0) * T // 2]

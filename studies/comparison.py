@@ -308,12 +308,26 @@ def archive(args) -> None:
     print(f"{len(records)} runs in {args.archive}")
 
 
+def flags_for(code: str, arm: str) -> list[str]:
+    """ARMS[arm] for code/recast.py: every arm was defined while per-reward normalisation was
+    ReCAST's default, so a recast or reversed arm that names none gets `--normalize per-reward`
+    from a recast.py that has the flag (joint became the default by the test's shipping rule,
+    docs/results.md); a recast.py from before the flag runs the arm as it was."""
+    flags = ARMS[arm]
+    weighting = flags[flags.index("--weighting") + 1]
+    if "--normalize" in flags or weighting not in ("recast", "reversed"):
+        return flags
+    with open(os.path.join(code, "recast.py"), encoding="utf-8") as f:
+        knows = "\n    normalize: str =" in f.read()
+    return [*flags, "--normalize", "per-reward"] if knows else flags
+
+
 def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar) -> None:
     """One run of code/recast.py, resumed if a previous sitting left it unfinished; skipped when
     the sitting's time is up. `bar` counts the finished runs."""
     if time.monotonic() > deadline:
         return
-    cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *ARMS[arm]]
+    cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *flags_for(code, arm)]
     cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
     cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
     with open(path + ".log", "a") as log:

@@ -405,3 +405,16 @@ def test_the_profile_prediction_over_the_four_settings(tmp_path, slope, held):
     assert f"| 1. training rewards improve or match | {claim} | {claim} |" in table
     assert "| 2. every held-out judge improves | 0 of 6 beat: not shown | 0 of 6 beat" in table
     assert "| 3. the pairwise judge prefers ReCAST | not measured | not measured |" in table
+
+
+def test_arms_keep_the_normalisation_they_were_defined_under(tmp_path):
+    """Every arm was defined while per-reward was ReCAST's default: from a recast.py with the
+    flag, a recast or reversed arm naming none runs --normalize per-reward; joint, uniform and
+    sum arms run as written, and a recast.py from before the flag gets the arm unchanged."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for arm in ("t3-recast", "d2-recast", "recast-shift1", "reversed-tau0.25"):
+        assert cmp.flags_for(here, arm) == [*cmp.ARMS[arm], "--normalize", "per-reward"], arm
+    for arm in ("t3-joint", "t3-uniform", "t3-sum", "sum"):
+        assert cmp.flags_for(here, arm) == cmp.ARMS[arm], arm
+    (tmp_path / "recast.py").write_text("class Args:\n    gain_shift: int = 1\n")
+    assert cmp.flags_for(str(tmp_path), "t3-recast") == cmp.ARMS["t3-recast"]
