@@ -898,8 +898,11 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
 @pytest.mark.parametrize(
     "prediction,said",
     [
-        (None, "Two settings are weak evidence"),  # the test of settings 3 and 4 runs
         ({}, "it did not order ReCAST's gains over uniform or over the summed reward"),
+        (
+            {"uniform": (0.1, -0.02, 0.6)},
+            "at 0.50: over uniform +0.030 (ρ +0.60). It did not order the gain over the summed",
+        ),
         (
             {"uniform": (0.1, -0.02, 0.6), "sum": (0.2, -0.1, 0.5)},
             "at 0.50: over uniform +0.030 (ρ +0.60); over the summed reward +0.000 (ρ +0.50)",
@@ -908,14 +911,35 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
 )
 def test_profile_quotes_the_tests_verdict_on_the_distance(monkeypatch, prediction, said):
     """--profile's closing sentence follows the test's verdict (reward_profile.PREDICTION): the
-    two settings while it runs, no prediction where the distance ordered nothing, the line's
-    prediction at this distance for each comparison where it did."""
+    two settings are no longer quoted; no prediction where the distance ordered nothing, the
+    line's prediction at this distance for each comparison where it did, and which it did not."""
     from plumbing import reward_profile
 
     monkeypatch.setattr(reward_profile, "PREDICTION", prediction)
     text = reward_profile.evidence(0.5)
     assert said in text
-    assert ("setting 1" in text) == (prediction is None)  # quoted as a predictor only while it runs
+    assert "setting 1" not in text  # no longer quoted as a predictor on its own
+    assert reward_profile.PREDICTION is prediction  # and the shipped verdict is a dict
+
+
+def test_the_shipped_prediction_is_the_tests_verdict():
+    """reward_profile.PREDICTION is what `comparison.py report --study setting4` printed (docs/
+    setting4/table.md): the line for each comparison whose ρ cleared the bar, nothing for the
+    others."""
+    import re
+
+    from plumbing import reward_profile
+
+    with open(os.path.join(HERE, "docs", "setting4", "table.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for b in ("uniform", "sum"):
+        line = next(x for x in lines if x.startswith(f"- the distance orders the gain over {b}:"))
+        printed = re.search(rf"PREDICTION '{b}': \(([^)]*)\)", line).group(1)
+        if ": held;" in line:
+            want = tuple(float(x) for x in printed.split(", "))
+            assert reward_profile.PREDICTION[b] == pytest.approx(want, abs=1e-9), line
+        else:
+            assert b not in reward_profile.PREDICTION, line
 
 
 def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch):
