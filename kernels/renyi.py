@@ -86,8 +86,8 @@ same algorithm run in fp32 on the CPU, plus 64 fp32 ulp scaled by (1 + α)/|α -
 divergence amplifies a log-ratio error; 1 for KL). Checked against reference_renyi_gains under
 TRITON_INTERPRET=1 on CPU and compiled ahead of time for sm_80 and sm_90 with triton.compile; on
 one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the ReCAST repository has
-the timings). torch.compile (backends eager and aot_eager), FakeTensorMode and meta tensors were
-checked on CPU (torch 2.13), not yet on a GPU.
+the timings). torch.compile (backends eager, aot_eager and inductor), FakeTensorMode and meta
+tensors were checked on CPU (torch 2.13), not yet on a GPU.
 
 Limits
 ------

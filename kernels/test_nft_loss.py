@@ -407,11 +407,12 @@ def forbid_launches(monkeypatch):
         monkeypatch.setattr(nft, name, None)  # a launch would fail: None[grid]
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_nft_loss_compiles_without_graph_break(backend):
     """torch.compile(fullgraph=True) of a step around nft_loss: one graph, with the forward and
     backward operators in it, and the loss and the gradient (grad_output 2.5 through the compiled
-    backward) equal eager's bit for bit."""
+    backward) equal eager's bit for bit; under inductor (the default backend, which generates its
+    own code around the operators) to float rounding."""
 
     def step(**inputs):
         return 2.5 * nft.nft_loss(**inputs, beta=0.7, kl_coef=0.1)
@@ -420,7 +421,11 @@ def test_nft_loss_compiles_without_graph_break(backend):
     record = RecordGraphs(backend)
     loss, grad = loss_and_grad(torch.compile(step, backend=record, fullgraph=True), inputs)
     loss_eager, grad_eager = loss_and_grad(step, inputs)
-    assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
+    if backend == "inductor":
+        torch.testing.assert_close(loss, loss_eager)
+        torch.testing.assert_close(grad, grad_eager)
+    else:
+        assert torch.equal(loss, loss_eager) and torch.equal(grad, grad_eager)
     (graph,) = record.graphs
     assert op_nodes(graph, FORWARD_OP) == 1 and op_nodes(graph, BACKWARD_OP) == 1
 

@@ -352,10 +352,11 @@ def no_reference(*args, **kwargs):
     raise AssertionError("the reference ran instead of the kernel's operator")
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_renyi_gains_compiles_without_graph_break(backend):
     """torch.compile(fullgraph=True), W built from the gains in the same graph: one graph, the
-    kernel's operator in it, D and the gains equal eager's bit for bit."""
+    kernel's operator in it, D and the gains equal eager's bit for bit (under inductor, which
+    generates its own code around the operator, to float rounding)."""
 
     def gains_to_weights(scores):
         D, gains = renyi.renyi_gains(scores, 4, alpha=2.0)
@@ -370,7 +371,10 @@ def test_renyi_gains_compiles_without_graph_break(backend):
     scores = make_scores(2, 4, 6, 4, seed=7)
     compiled = torch.compile(gains_to_weights, backend=backend_fn, fullgraph=True)
     for got, expected in zip(compiled(scores), gains_to_weights(scores), strict=True):
-        assert torch.equal(got, expected)
+        if backend == "inductor":
+            torch.testing.assert_close(got, expected)
+        else:
+            assert torch.equal(got, expected)
     (graph,) = graphs
     assert sum(node.target is RENYI_OP for node in graph.graph.nodes) == 1
 
