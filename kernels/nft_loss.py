@@ -121,7 +121,7 @@ Checked against reference_nft_loss under TRITON_INTERPRET=1 on CPU (fp32, bf16, 
 odd and multi-chunk shapes; strided views) and compiled ahead of time for sm_80 and sm_90 with
 triton.compile; on one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the
 ReCAST repository has the timings). torch.compile (backends eager, aot_eager and inductor),
-FakeTensorMode and meta tensors were checked on CPU (torch 2.13), not yet on a GPU.
+FakeTensorMode and meta tensors were checked on CPU (torch 2.13) and on one H200 (torch 2.11).
 
 Limits
 ------

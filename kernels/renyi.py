@@ -87,7 +87,7 @@ divergence amplifies a log-ratio error; 1 for KL). Checked against reference_ren
 TRITON_INTERPRET=1 on CPU and compiled ahead of time for sm_80 and sm_90 with triton.compile; on
 one H200 (triton 3.6) the same tests pass on CUDA (docs/kernels.md of the ReCAST repository has
 the timings). torch.compile (backends eager, aot_eager and inductor), FakeTensorMode and meta
-tensors were checked on CPU (torch 2.13), not yet on a GPU.
+tensors were checked on CPU (torch 2.13) and on one H200 (torch 2.11).
 
 Limits
 ------
