@@ -12,9 +12,10 @@ It calls the functions recast.py trains with, on the first epoch of the default 
    final ranking stays ≥ SETTLED from there on, mean over all groups);
 3. kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
    marginals (DESIGN §4-5) → gains.png;
-4. kernels.renyi.group_optimality (recast.optimality): r per reward and group (DESIGN §3), and the
-   mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i that the NFT loss trains each (image,
-   timestep) pair toward (DESIGN §6), under ReCAST's W and under uniform W = λ/T → mix.png.
+4. kernels.renyi.joint_optimality (recast.optimality, --normalize joint, the default): r per
+   reward and group (DESIGN §3), and the mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i, clamped
+   to [0, 1], that the NFT loss trains each (image, timestep) pair toward (DESIGN §6), under
+   ReCAST's W and under uniform W = λ/T (with joint: the summed reward's) → mix.png.
 """
 
 import argparse
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import recast  # noqa: E402
-from kernels.renyi import gain_profiles, recast_weights, renyi_gains  # noqa: E402
+from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
@@ -63,11 +64,13 @@ def main(args) -> None:
     a = run.args  # recast.py's defaults: --tau, --floor and --gain-shift included
     profiles = gain_profiles(gains, a.floor, a.gain_shift)
     W = recast_weights(gains, lam, a.tau, a.floor, a.gain_shift).double()
-    r = recast.optimality(run, final).double()  # (K, N)
+    r = recast.optimality(run, final).double()  # (K, N): --normalize joint, the default
     K, N = final.shape
     groups = N // G
-    # the group to show: the one whose rewards disagree most within it (largest summed spread of r)
-    g = int(r.view(K, groups, G).std(2).sum(0).argmax())
+    # the group to show: the one whose rewards disagree most within it (largest summed spread of
+    # each reward's own r, --normalize per-reward's, which measures every reward on one scale)
+    own = group_optimality(final, G, run.args.adv_clip_max).double()
+    g = int(own.view(K, groups, G).std(2).sum(0).argmax())
     members = slice(g * G, (g + 1) * G)
     settled = torch.tensor([[settled_step(scores[k, :, h * G : (h + 1) * G]) for h in range(groups)]
                             for k in range(K)], dtype=torch.float64)  # fmt: skip
@@ -132,13 +135,18 @@ def main(args) -> None:
 
     # 4. mix.png: r per reward for the group, and r̄ per (image, timestep) under both W
     uniform = lam[:, None].expand(K, T) / T
-    mix = {w: (Wm.T @ r[:, members]) / Wm.sum(0)[:, None] for w, Wm in
-           (("ReCAST", W), ("uniform", uniform))}  # (T, G) each  # fmt: skip
+    mix = {w: ((Wm.T @ r[:, members]) / Wm.sum(0)[:, None]).clamp(0, 1) for w, Wm in
+           (("ReCAST", W), ("uniform", uniform))}  # (T, G) each; the loss clamps  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.2), width_ratios=[1, 1.4, 1.4])
-    axes[0].imshow(r[:, members].numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    shown = axes[0].imshow(r[:, members].numpy(), cmap="viridis", aspect="auto")
+    for k in range(K):
+        for j in range(G):
+            axes[0].text(j, k, f"{float(r[k, g * G + j]):.2f}", ha="center", va="center",
+                         fontsize=5, color="white")  # fmt: skip
+    fig.colorbar(shown, ax=axes[0], fraction=0.05)
     axes[0].set_yticks(range(K), names, fontsize=7)
     axes[0].set_xlabel("image of the group", fontsize=8)
-    axes[0].set_title("r_k,n (group_optimality, DESIGN §3)", fontsize=8)
+    axes[0].set_title("r_k,n (joint_optimality, DESIGN §3)", fontsize=8)
     for ax, (w, m) in zip(axes[1:], mix.items(), strict=True):
         im = ax.imshow(m.T.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
         for i in range(T):
@@ -147,7 +155,8 @@ def main(args) -> None:
                         color="white" if m[i, j] < 0.6 else "black")  # fmt: skip
         ax.set_xlabel("training timestep i", fontsize=8)
         ax.set_ylabel("image", fontsize=8)
-        ax.set_title(f"r̄_n,i = Σ_k W_k,i r_k,n / Σ_k W_k,i under {w} W (DESIGN §6)", fontsize=8)
+        ax.set_title(f"r̄_n,i = Σ_k W_k,i r_k,n / Σ_k W_k,i in [0, 1] under {w} W (DESIGN §6)",
+                     fontsize=8)  # fmt: skip
     fig.colorbar(im, ax=axes[2], fraction=0.03)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "mix.png"), dpi=110)
