@@ -1052,6 +1052,19 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
     assert os.listdir(tmp_path / "taken") == ["args.json"]
 
 
+def resumed_without(tmp_path, flag: str):
+    """The flags a run made before `flag` existed (its args.json lacks it) resumes with, parsed
+    in tmp_path (the working directory)."""
+    import recast
+    from plumbing import cli
+
+    saved = dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="old"))
+    del saved[flag]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
+    return cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+
+
 def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
     import recast
     from plumbing import cli
@@ -1063,11 +1076,7 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
         run = recast.setup([*lam, "--weighting", weighting, "--out", weighting])
         assert run.args.gain_shift == shift, weighting
     # a run made before --gain-shift existed (its args.json lacks it) resumes with shift 0
-    saved = dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="old"))
-    del saved["gain_shift"]
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
-    args = cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+    args = resumed_without(tmp_path, "gain_shift")
     assert args.gain_shift == 0
     cli.check(args, 1, recast.RESUMABLE)  # no "differs from the run's args.json"
     with pytest.raises(SystemExit):  # asking for another shift on resume is still refused
@@ -1094,11 +1103,7 @@ def test_default_normalize_is_joint_for_recast_and_per_reward_for_uniform(tmp_pa
         run = recast.setup([*lam, "--weighting", weighting, "--normalize", normalize,
                             "--out", f"{weighting}-given"])  # fmt: skip
         assert run.args.normalize == normalize, weighting
-    saved = dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="old"))
-    del saved["normalize"]
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
-    args = cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+    args = resumed_without(tmp_path, "normalize")
     assert args.normalize == "per-reward"
     cli.check(args, 1, recast.RESUMABLE)
 
