@@ -66,8 +66,9 @@ class Args:
     normalize: str = "joint"
     """joint (every reward's centred score divided by the group spread of the λ-weighted sum, so
     W = λ/T is --weighting sum exactly) | per-reward (each reward's advantage divided by its own
-    group spread): DESIGN §3; uniform's default is per-reward (joint with uniform is --weighting
-    sum), and sum takes none (one reward)"""
+    group spread) | batch (each reward's centred score divided by its within-group spread pooled
+    over the whole batch): DESIGN §3; uniform's default is per-reward (joint with uniform is
+    --weighting sum), and sum takes none (one reward)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -172,7 +173,7 @@ TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac
                  "grad_checkpointing"]  # fmt: skip
 CHOICES = {  # flags with a fixed set of values
     "weighting": ["recast", "uniform", "sum", "reversed"],
-    "normalize": ["per-reward", "joint"],
+    "normalize": ["per-reward", "joint", "batch"],
     "log": ["none", "tensorboard"],
     "score_precision": ["fp32", "bf16"],
 }
@@ -486,14 +487,65 @@ def score_all(reward_fns: dict, images: torch.Tensor, prompts: list[str]) -> tor
 
 def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
     """r (K, N) per reward and group: in [0, 1] with --normalize per-reward, scaled by the
-    λ-weighted sum's spread with joint (the loss clamps the mix); with --weighting sum,
-    DiffusionNFT's single reward Σ_k λ_k s_k (1, N)."""
+    λ-weighted sum's spread with joint and by each reward's pooled spread with batch (the loss
+    clamps the mix); with --weighting sum, DiffusionNFT's single reward Σ_k λ_k s_k (1, N)."""
     G, A = run.args.group_size, run.args.adv_clip_max
     if run.args.weighting == "sum":
         return group_optimality((run.lam.to(final) @ final)[None], G, A)
     if run.args.normalize == "joint":
         return joint_optimality(final, run.lam, G, A)
+    if run.args.normalize == "batch":
+        return batch_optimality(final, G, A)
     return group_optimality(final, G, A)
+
+
+def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
+    """--normalize batch (DESIGN §3): A_k = (s_k - mean_group s_k) / (σ_k + 1e-4), with σ_k the
+    within-group spread of reward k pooled over the whole batch, every rank's groups (`final` is
+    gathered): √(mean over groups of the group variance). One scale per reward, so λ weighs
+    rewards brought to one scale, and a reward's flat groups stay flat. Not clipped per reward,
+    as under joint: with W = λ/T the mix is the advantage of Σ_k λ_k s_k/σ_k, the clamp included."""
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    centred = s - s.mean(-1, keepdim=True)
+    pooled = centred.pow(2).mean((-2, -1), keepdim=True).sqrt()  # (K, 1, 1)
+    return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
+
+
+def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
+    """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
+    the within-group spread of its advantage A_k under `normalize` (joint: its raw spread over the
+    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies),
+    summed to 1. The signal ReCAST distributes over timesteps is λ's only under per-reward and
+    batch; under joint (and --weighting sum) raw scale weighs in too (DESIGN §3)."""
+    s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
+    spread = s.std(-1, correction=0)  # (K, M)
+    lam = lam.to(s)
+    if normalize == "joint":
+        spread = spread / (torch.einsum("k,kmg->mg", lam, s).std(-1, correction=0) + 1e-4)
+    elif normalize == "batch":
+        spread = spread / (spread.pow(2).mean(-1, keepdim=True).sqrt() + 1e-4)
+    else:
+        spread = spread / (spread + 1e-4)
+    weight = lam * spread.mean(-1)
+    total = weight.sum()
+    return weight / total if total > 0 else torch.zeros_like(weight)
+
+
+def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, W: torch.Tensor) -> dict:
+    """What the loss (DESIGN §6) will make of r and W this epoch, for the log: clamp/share, the
+    share of (image, timestep) pairs whose mix r̄ = Σ_k W_k,i r_k / Σ_k W_k,i is clamped to
+    [0, 1]; adv/max/<reward>, each row's largest |A| = 2 A_max |r - 1/2| (one row 'sum' with
+    --weighting sum); share/<reward>, signal_share of the epoch's final scores."""
+    Wt = train_weights(run, W).to(r)
+    mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
+    out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
+    rows = ["sum"] if run.args.weighting == "sum" else run.names
+    adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
+    out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
+    norm = "joint" if run.args.weighting == "sum" else run.args.normalize  # sum: joint's signal
+    share = signal_share(final, run.lam, run.args.group_size, norm)
+    out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,6 +594,11 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
 # ---------------------------------------------------------------------------------------------
 # Phase 4 — the NFT update, each (image, timestep) pair with its own r̄ (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
+def train_weights(run: "Run", W: torch.Tensor) -> torch.Tensor:
+    """The W the loss reads, rows matching r: --weighting sum trains its one reward with 1/T."""
+    return W.new_full((1, run.args.steps), 1 / run.args.steps) if run.args.weighting == "sum" else W
+
+
 def pair_loss(world: World, args: Args, sigmas, x0, cond, r, W, n, i, eps, loss_fn=None,
               observe=nullcontext):  # fmt: skip
     """DESIGN §6 on one micro-batch of (image, timestep) pairs: images n of x0 (every rank's)
@@ -569,8 +626,7 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
     `nft_loss` is the fused kernel; `reference_nft_loss` in kernels/nft_loss.py is the same loss
     in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
     args, world, T = run.args, run.world, run.args.steps
-    W_train = W.new_full((1, T), 1 / T) if args.weighting == "sum" else W  # rows match r
-    W_train, device = W_train.to(world.device), world.device
+    W_train, device = train_weights(run, W).to(world.device), world.device
     g_train = epoch_generator(args.seed, epoch, 2)
     N, losses = x0.shape[0], []
     cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
@@ -835,6 +891,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             g = final.view(len(names), -1, G)  # a constant group: max = min (DESIGN §4)
             m["groups/constant"] = int((g.amax(2) == g.amin(2)).sum())
             m["W"] = W.tolist()
+            m.update(mix_stats(run, final, r, W))  # clamped pairs, largest |A|, signal shares
             with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)
                 m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
             m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (§6)
