@@ -171,22 +171,67 @@ def layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_models(modules: list[torch.nn.Module], device: torch.device) -> None:
+PRECISIONS = ("bf16", "fp32")  # shard_models' precision: see there
+
+
+def default_precision(device: torch.device) -> str:
+    """shard_models' precision on `device` when none is asked for: bf16 on CUDA (where the frozen
+    weights are bf16 and every forward runs under bf16 autocast), fp32 elsewhere."""
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def shard_models(
+    modules: list[torch.nn.Module], device: torch.device, precision: str | None = None
+) -> None:
     """Shard each module across every rank with FSDP2: each of its repeated layers, then the rest
     (the root). Each rank keeps 1/N of every parameter, frozen or trained, and gathers a layer's
-    whole for its forward and backward. On CUDA the layers compute in bf16 and reduce gradients in
-    fp32; the sharded trainable weights, their gradients and AdamW's state stay fp32."""
+    whole for its forward and backward. Call it while the parameters to train, and only they,
+    require grad (the adapter "default", as the world leaves it after loading).
+
+    `precision` (default: default_precision(device)): "bf16" gathers each layer in bf16 (the
+    frozen weights are bf16 already; the fp32 adapters are cast for the gather) and reduces the
+    gradients in fp32 into the fp32 adapter shards, so their gradients and AdamW's state stay fp32.
+    The forwards must then run under torch.autocast(dtype=torch.bfloat16), as the diffusers world
+    runs every CUDA forward: FSDP2 leaves the inputs as the caller passes them (below). "fp32"
+    gathers and reduces every parameter in the dtype it is stored in."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    precision = precision or default_precision(device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    bf16 = device.type == "cuda"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                              reduce_dtype=torch.float32)  # fmt: skip
+    # cast_forward_inputs=False: by default FSDP2 casts every floating-point tensor argument of
+    # every sharded module's forward to param_dtype before the forward runs (FSDPState._pre_forward
+    # → _cast_forward_inputs), the root's too: the timestep (SD3's 1000·t, which bf16's 8
+    # significant bits round to a multiple of 4 near 1000: 999.3 → 1000), FLUX's t and guidance,
+    # the pooled projections, FLUX's rotary embeddings handed to each block, all rounded before
+    # the model's own code (sinusoidal embeddings computed in fp32) reads them. Left alone they
+    # reach each module as under DDP, and bf16 autocast runs the matmuls in bf16 on the
+    # bf16-gathered weights, as it does on DDP's bf16 weights and fp32 adapters: a sharded forward
+    # computes what the DDP forward computes.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if precision == "bf16" else None,
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)  # fmt: skip
     for module in modules:  # every group gathered only while it computes (the root too)
         for layer in layers(module):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        # FSDP2 finishes its set-up lazily, at the first forward through the root
+        # (FSDPState._lazy_init → FSDPParamGroup.lazy_init → _init_mp_dtypes), and only then: each
+        # layer's group records the dtypes of its gradients, _orig_dtype and _reduce_dtype, from
+        # the parameters that require grad at that moment, and keeps them for the run. The loop's
+        # first forward is the reference's, with the adapters disabled, and peft's
+        # disable_adapters() turns requires_grad off on every adapter: the groups record none
+        # (None), so every backward after it reduce-scatters the bf16 gradients in bf16 and hands
+        # them uncast to the fp32 shards (foreach_reduce: `reduce_dtype or grad_dtype`,
+        # `_to_dtype_if_needed(reduce_output, orig_dtype)`), which autograd refuses ("attempting
+        # to assign a gradient with dtype 'c10::BFloat16' to a tensor with grad_dtype 'Float'"). A
+        # resumed run escaped only because its first forward is the "old" adapter's, which
+        # requires grad then. Set up here, while the trained adapter requires grad, each group
+        # records fp32 whatever the first forward enables: the root's forwards find the set-up
+        # done and do not redo it (only FSDPModule.unshard(), which nothing here calls, would).
+        # _lazy_init is FSDP2's own (private) entry: if torch renames it, this fails at once.
+        fully_shard.state(module)._lazy_init()
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool):

@@ -5,10 +5,15 @@ pipelines modelzoo builds (random weights, nothing downloaded):
 - one epoch, then --resume, equals two epochs, sharded: bit for bit; it resumes on 1 rank too;
 - SIGTERM finishes the epoch on every rank and resumes to the same numbers; a rank killed ends the
   run in seconds naming the --resume command; a second launch on a live run folder exits 2;
-- bad input: --shard without torchrun, or with the toy world, exits 2 naming the flag.
+- bad input: --shard without torchrun, or with the toy world, exits 2 naming the flag;
+- shard_models' bf16 precision (CUDA's), forced on 2 gloo processes: a backward after a first
+  forward with the adapters disabled (the base model's evaluation) gives the unsharded model's
+  fp32 gradients, and the timestep reaches the transformer in fp32 (seconds).
 The torchrun tests are slow (minutes on 2 cores): python -m pytest -q -m slow plumbing/test_shard.py
 """
 
+import copy
+import datetime
 import json
 import os
 import shutil
@@ -19,6 +24,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from benchmarks import modelzoo
@@ -99,7 +105,10 @@ def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
         assert a.keys() == b.keys()
         for k in a:
             got, want = torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k])
-            assert torch.allclose(got, want.double(), rtol=1e-4, atol=1e-6), (k, a[k], b[k])
+            # adv/, share/, clamp/ divide by a group's spread, which multiplies the scores'
+            # relative rounding (2.5e-4 seen on adv/max: random-weight rewards, near-flat groups)
+            tol = 1e-3 if k.startswith(("adv/", "share/", "clamp/")) else 1e-4
+            assert torch.allclose(got, want.double(), rtol=tol, atol=1e-6), (k, a[k], b[k])
     x, y = lora(tmp_path / "shard", 2), lora(tmp_path / "ddp", 2)
     assert x.keys() == y.keys()
     assert max((x[k] - y[k]).abs().max().item() for k in x) < SHARD_ATOL
@@ -196,3 +205,112 @@ def test_shard_needs_torchrun_and_a_diffusers_model(models, tmp_path, capsys, mo
         err = capsys.readouterr().err
         assert e.value.code == 2 and "error: --shard" in err and said in err, err
     assert not os.path.exists(out)
+
+
+def _bf16_checks() -> dict:
+    """The tiny SD3 transformer as the world holds it on CUDA (bf16 weights; the two adapters,
+    fp32, "default" trainable), sharded with the bf16 precision, then as the loop uses it: a first
+    forward with the adapters disabled, then the policy's forward and backward, every forward
+    under bf16 autocast as the world runs them on CUDA. The same forward and backward on an
+    unsharded copy give the reference gradients."""
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig
+
+    from plumbing.distributed import shard_models
+    from worlds import sd3world
+    from worlds.diffusersworld import lora_targets
+
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+        num_attention_heads=2, attention_head_dim=8, joint_attention_dim=32,
+        caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=16,
+    ).to(torch.bfloat16).requires_grad_(False)  # fmt: skip
+    targets = lora_targets(model, sd3world.LORA_TARGETS)
+    for name in ("default", "old"):
+        model.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                     target_modules=targets), adapter_name=name)  # fmt: skip
+    model.set_adapter("default")
+    for k, p in model.named_parameters():
+        if ".default." in k or ".old." in k:  # fp32 and lora_B off zero: every adapter learns
+            p.data = (p.data + 0.1 * torch.randn_like(p) * ("lora_B" in k)).float()
+    whole = copy.deepcopy(model)
+    shard_models([model], torch.device("cpu"), precision="bf16")
+
+    t = torch.tensor([0.9993, 0.5003])  # 1000·t: 999.3 and 500.3, which bf16 rounds to 1000, 500
+    inputs = dict(hidden_states=torch.randn(2, 4, 16, 16), timestep=1000 * t,
+                  encoder_hidden_states=torch.randn(2, 8, 32),
+                  pooled_projections=torch.randn(2, 32))  # fmt: skip
+    seen = []  # the timestep as the transformer's time embedding reads it
+    model.time_text_embed.register_forward_pre_hook(
+        lambda m, args: seen.append((str(args[0].dtype), args[0].double().tolist()))
+    )
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16)  # noqa: E731
+    with torch.no_grad(), autocast():  # the base model's evaluation, the loop's first forward
+        model.disable_adapters()
+        model(**inputs, return_dict=False)
+        model.enable_adapters()
+    out, grads = {"timestep": seen}, {}
+    for m in (model, whole):
+        with autocast():
+            v = m(**inputs, return_dict=False)[0]
+        try:
+            v.float().square().mean().backward()
+        except RuntimeError as e:
+            return {**out, "error": str(e).splitlines()[0]}
+        grads[m is model] = {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+    sharded, reference = grads[True], grads[False]
+    out["trained"] = sorted(sharded) == sorted(reference) and all(".default." in k for k in sharded)
+    out["grad_dtypes"] = sorted({str(g.dtype) for g in sharded.values()})
+    out["max_err"] = max((sharded[k].full_tensor() - reference[k]).abs().max().item()
+                         for k in reference)  # fmt: skip
+    out["max_grad"] = max(g.abs().max().item() for g in reference.values())
+    return out
+
+
+def _bf16_worker(rank: int, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        results.put((rank, _bf16_checks()))
+    except Exception as e:  # said to the test, which fails naming it
+        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def bf16_sharded(tmp_path_factory):
+    """What _bf16_checks says on each of 2 gloo processes, {rank: {...}}."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    init = tmp_path_factory.mktemp("bf16") / "init"
+    mp.spawn(_bf16_worker, args=(str(init), results), nprocs=2)
+    return dict(results.get() for _ in range(2))
+
+
+@pytest.mark.xdist_group("bf16_sharded")  # one worker spawns the ranks once for both
+def test_bf16_shards_train_after_a_first_forward_with_the_adapters_off(bf16_sharded):
+    """FSDP2 sets a layer's gradient dtypes up at the first forward from the parameters that
+    require grad then; the base model's evaluation disables the adapters (no parameter requires
+    grad), and every later backward failed: "attempting to assign a gradient with dtype
+    'c10::BFloat16' to a tensor with grad_dtype 'Float'". shard_models sets them up itself: the
+    backward gives each rank the unsharded model's gradients, fp32, for the trained adapter only."""
+    for rank, said in bf16_sharded.items():
+        assert "error" not in said, (rank, said)
+        assert said["trained"] and said["grad_dtypes"] == ["torch.float32"], said
+        # the same bf16 computation (bf16 weights, adapters cast to bf16 by autocast or by the
+        # gather), summed in fp32 over 2 ranks of the same inputs and halved: measured equal
+        assert said["max_err"] <= 1e-5 * said["max_grad"], said
+
+
+@pytest.mark.xdist_group("bf16_sharded")
+def test_bf16_shards_take_the_timestep_in_fp32(bf16_sharded):
+    """FSDP2's default casts each sharded module's floating-point inputs to bf16 before its
+    forward: SD3's timestep 1000·t reached the model rounded (999.3 → 1000). shard_models leaves
+    them as passed, as DDP does: both forwards read 999.3 and 500.3 in fp32."""
+    want = (1000 * torch.tensor([0.9993, 0.5003])).double().tolist()
+    for rank, said in bf16_sharded.items():
+        assert said["timestep"] == [("torch.float32", want)] * 2, (rank, said)
