@@ -88,8 +88,8 @@ def no_sync_check() -> None:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from kernels import nft_loss as nft
-    from kernels import renyi
+    from recast_kernels import nft_loss as nft
+    from recast_kernels import renyi
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)

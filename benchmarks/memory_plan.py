@@ -72,8 +72,8 @@ from tqdm import tqdm  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from benchmarks import memtrace, modelzoo  # noqa: E402
-from kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 from plumbing import cli  # noqa: E402
+from recast_kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 from worlds import diffusersworld, families  # noqa: E402
 
 PHASES = ("rollout", "score", "recast", "update", "eval")

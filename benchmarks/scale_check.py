@@ -613,7 +613,7 @@ def loss_memory(device, batch: int, latent: tuple, K: int, T: int) -> dict:
     recast.py passes: world.v returns fp32), with v_ref (κ > 0)."""
     import torch
 
-    from kernels.nft_loss import nft_loss, reference_nft_loss
+    from recast_kernels.nft_loss import nft_loss, reference_nft_loss
 
     gen = torch.Generator().manual_seed(0)
     rows = [torch.randn(batch, *latent, generator=gen) for _ in range(5)]

@@ -63,10 +63,10 @@ Value checks
 ------------
 Shapes, dtypes, devices and the float arguments are always checked. The values of t_index (in
 [0, T)) are checked only where that costs no synchronisation: for CPU tensors, or on CUDA when
-CHECK_VALUES is True (`kernels.nft_loss.CHECK_VALUES = True`, a debugging switch: each call then
-blocks the host until the GPU has caught up), and never while torch.compile traces or on meta and
-fake tensors, which have no values to read. Without the check, a row whose t_index lies outside
-[0, T) gets a NaN loss and a NaN gradient (W is never read out of bounds), so the loss is NaN.
+CHECK_VALUES is True (set on this module, a debugging switch: each call then blocks the host until
+the GPU has caught up), and never while torch.compile traces or on meta and fake tensors, which
+have no values to read. Without the check, a row whose t_index lies outside [0, T) gets a NaN loss
+and a NaN gradient (W is never read out of bounds), so the loss is NaN.
 t is not checked to lie in (0, 1], nor r in [0, 1]: the mix a is clamped to [0, c], so r̄ = a/c
 lies in [0, 1] whatever r holds (a no-op for r in [0, 1] and W ≥ 0; DESIGN §3's joint
 normalisation relies on it).

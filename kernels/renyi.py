@@ -61,9 +61,9 @@ Value checks
 ------------
 Shapes, dtypes and the arguments are always checked. That the scores are finite is checked only
 where it costs no synchronisation: for CPU tensors, or on CUDA when CHECK_VALUES is True
-(`kernels.renyi.CHECK_VALUES = True`, a debugging switch), and never while torch.compile traces or
-on meta and fake tensors, which have no values to read. Without it, a NaN or inf among the final
-scores or the scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
+(set on this module, a debugging switch), and never while torch.compile traces or on meta and fake
+tensors, which have no values to read. Without it, a NaN or inf among the final scores or the
+scores of step i ≥ 1 of reward k makes D[k, i] NaN, and the gains next to it
 (the step-0 scores are never read: D[k, 0] is 0 by definition).
 
 Tracing, torch.compile and memory plans

@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import renyi
-from kernels.renyi import gain_profiles, recast_weights, shift_gains
+import renyi  # the file beside this one (pytest puts this folder on sys.path)
+from renyi import gain_profiles, recast_weights, shift_gains
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import recast  # noqa: E402
-from kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
+from recast_kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
 SETTLED = 0.8  # a ranking is settled from the first step whose ρ with the final one stays ≥ this

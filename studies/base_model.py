@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import recast  # noqa: E402
 import rewards  # noqa: E402
-from kernels.renyi import gain_profiles, renyi_gains  # noqa: E402
 from plumbing import plots  # noqa: E402
+from recast_kernels.renyi import gain_profiles, renyi_gains  # noqa: E402
 from worlds import toyworld as tw  # noqa: E402
 
 

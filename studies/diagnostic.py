@@ -51,8 +51,8 @@ sys.path.insert(0, ROOT)
 
 import recast  # noqa: E402
 import rewards  # noqa: E402
-from kernels.nft_loss import reference_nft_loss  # noqa: E402
-from kernels.renyi import group_optimality, renyi_gains  # noqa: E402
+from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
+from recast_kernels.renyi import group_optimality, renyi_gains  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
 

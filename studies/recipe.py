@@ -34,10 +34,10 @@ sys.path.insert(0, ROOT)
 
 import recast  # noqa: E402
 import rewards  # noqa: E402
-from kernels.nft_loss import reference_nft_loss  # noqa: E402
-from kernels.renyi import group_optimality  # noqa: E402
 from plumbing import cli  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
+from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
+from recast_kernels.renyi import group_optimality  # noqa: E402
 from studies.summarize import fmt  # noqa: E402
 
 LAMBDA = "0.4,0.2,0.2,0.2"
