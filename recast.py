@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from plumbing import cli
@@ -187,18 +187,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import rewards
-from kernels.nft_loss import nft_loss
-from kernels.renyi import (
+from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
+from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
+from plumbing.plots import timestep_centroid
+from plumbing.seeding import epoch_generator
+from recast_kernels.nft_loss import nft_loss
+from recast_kernels.renyi import (
     gain_profiles,
     group_optimality,
     joint_optimality,
     recast_weights,
     renyi_gains,
 )
-from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
-from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
-from plumbing.plots import timestep_centroid
-from plumbing.seeding import epoch_generator
 from worlds import hub, toyworld
 
 
@@ -252,6 +252,7 @@ class Run:
     params: list
     optimizer: torch.optim.Optimizer
     tensorboard: tblog.TensorBoard | None = None  # rank 0 with --log tensorboard
+    flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
     # A benchmark's hook, entered around each phase and step of the loop by name (rollout, score,
     # recast, steps, weights, update, loss, backward, eval, save): benchmarks/scale_check.py times
     # them through it. By default it does nothing.
@@ -529,6 +530,17 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
     weight = lam * spread.mean(-1)
     total = weight.sum()
     return weight / total if total > 0 else torch.zeros_like(weight)
+
+
+def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
+    """Say once a run that a reward is constant in every group (K, M, G) of an epoch: it trains
+    nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3)."""
+    flat = (groups.amax(2) == groups.amin(2)).all(1)
+    for k in flat.nonzero().flatten().tolist():
+        if run.names[k] not in run.flat_said:
+            run.flat_said.add(run.names[k])
+            run.log(f"note: reward {run.names[k]} is constant in every group at epoch {epoch}: it "
+                    "trains nothing while it stays so (said once a run)")  # fmt: skip
 
 
 def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, W: torch.Tensor) -> dict:
@@ -837,6 +849,8 @@ def profile(run: "Run") -> None:
     step_scores = score_steps(run, preds, final, per_image)  # (K, T+1, every rank's scored)
     D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)
     p = reward_profile.report(step_scores, D, gains, run.lam, run.names, args, source)
+    p["normalize"] = "joint" if args.weighting == "sum" else args.normalize  # sum: joint's signal
+    p["share"] = signal_share(step_scores[:, -1], run.lam, G, p["normalize"]).tolist()
     p["seconds"] = time.perf_counter() - tic
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -890,6 +904,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
             g = final.view(len(names), -1, G)  # a constant group: max = min (DESIGN §4)
             m["groups/constant"] = int((g.amax(2) == g.amin(2)).sum())
+            note_flat_rewards(run, g, epoch)
             m["W"] = W.tolist()
             m.update(mix_stats(run, final, r, W))  # clamped pairs, largest |A|, signal shares
             with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)

@@ -48,9 +48,10 @@ def _swap(prompts, slot, choices):
 FOLDERS = ("kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
 # Layers, lowest first: a module imports modules of its own layer or lower ones only. The
 # rewards measure the toy world's pictures, so they sit above the worlds; the worlds, the rewards
-# and the kernels are the leaves of recast.py.
+# and the kernels are the leaves of recast.py. recast_kernels.py is the name kernels/ is imported
+# under (its `__path__`): recast_kernels.X is kernels/X.py.
 LAYERS = [
-    ("kernels", "kernels."),
+    ("kernels.", "recast_kernels"),
     ("plumbing", "plumbing.", "worlds", "worlds."),
     ("rewards",),
     ("recast",),
@@ -90,9 +91,13 @@ def imports_of(path: Path) -> set[str]:
 
 
 def project_imports() -> dict[str, set[str]]:
-    """module → the project modules it imports."""
+    """module → the project modules it imports (recast_kernels.X read as kernels.X, its file)."""
     files = project_modules()
-    return {m: {d for d in imports_of(p) if d in files and d != m} for m, p in files.items()}
+    graph = {}
+    for m, p in files.items():
+        names = {n[7:] if n.startswith("recast_kernels.") else n for n in imports_of(p)}
+        graph[m] = {d for d in names if d in files and d != m}
+    return graph
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -151,6 +156,33 @@ def test_imports_are_one_way():
         bare = {n for n in names if n.split(".")[0] in stems}
         assert not bare, f"{m} imports {bare} by a bare name: use the folder's (worlds.…)"
     assert find_cycle(graph) is None, f"import cycle: {' → '.join(find_cycle(graph))}"
+
+
+def test_kernels_is_hugging_faces_name_and_ours_load_as_recast_kernels(tmp_path):
+    """The import name `kernels` stays free for Hugging Face's library (transformers ≥ 5.25
+    imports it): kernels/ has no __init__.py, no file of the project imports `kernels…`, and from
+    the repository root a package named `kernels` later on sys.path (a stand-in for the installed
+    one) is what `import kernels` finds, while recast.py runs the project's kernels, loaded once as
+    recast_kernels.nft_loss and recast_kernels.renyi (recast_kernels.py)."""
+    assert not (Path(HERE) / "kernels" / "__init__.py").exists()
+    paths = [*Path(HERE).glob("*.py"), *(p for f in FOLDERS for p in Path(HERE, f).rglob("*.py"))]
+    for path in paths:  # tests included
+        names = imports_of(path)
+        assert not {n for n in names if n.split(".")[0] == "kernels"}, (path, names)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("STAND_IN = True\n")
+    code = ("import os, sys, recast, recast_kernels.nft_loss, recast_kernels.renyi, kernels\n"
+            "assert getattr(kernels, 'STAND_IN', False), kernels\n"
+            "assert not [m for m in sys.modules if m.startswith('kernels.')]\n"
+            "for name in ('nft_loss', 'renyi'):\n"
+            "    file = os.path.realpath(sys.modules['recast_kernels.' + name].__file__)\n"
+            "    assert file == os.path.realpath(f'kernels/{name}.py'), file\n"
+            "assert recast.nft_loss is recast_kernels.nft_loss.nft_loss\n"
+            "assert recast.renyi_gains is recast_kernels.renyi.renyi_gains\n")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def reassigns_recast(source: str) -> list[str]:
@@ -563,7 +595,7 @@ def test_reversed_weighting_is_recasts_w_backwards_in_time():
 # ---------------------------------------------------------------------------------------------
 def test_single_reward_uniform_loss_is_diffusionnft():
     """One reward, W = 1/T: recast.py's loss is DiffusionNFT's, written out here independently."""
-    from kernels.nft_loss import nft_loss
+    from recast_kernels.nft_loss import nft_loss
 
     gen = torch.Generator().manual_seed(0)
     N, T, beta, A = 12, 10, 0.7, 5.0
@@ -593,8 +625,8 @@ def test_single_reward_uniform_loss_is_diffusionnft():
 def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
     """DESIGN §3: --normalize joint --weighting uniform is --weighting sum's loss and gradient on
     the same batch, to float rounding, clip included (the loss clamps the mix r̄ to [0, 1])."""
-    from kernels.nft_loss import nft_loss
-    from kernels.renyi import group_optimality, joint_optimality
+    from recast_kernels.nft_loss import nft_loss
+    from recast_kernels.renyi import group_optimality, joint_optimality
 
     gen = torch.Generator().manual_seed(0)
     K, G, M, T, beta = 4, 8, 6, 10, 0.1
@@ -625,6 +657,56 @@ def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
     per_reward = loss_and_grad(group_optimality(scores, G, adv_clip_max),
                                (lam[:, None] / T).expand(K, T).float())  # fmt: skip
     assert (per_reward[1] - summed[1]).abs().max() > 0.1 * summed[1].abs().max()  # it matters
+
+
+def test_batch_normalisation_is_one_scale_per_reward_and_uniform_mixes_scaled_scores():
+    """--normalize batch (DESIGN §3): each reward's centred scores divided by one spread, its
+    within-group spread pooled over the batch (rescaling a reward changes nothing); with W = λ/T
+    the mix is the advantage of Σ_k λ_k s_k/σ_k, centred per group, as the loss reads it."""
+    import recast
+
+    gen = torch.Generator().manual_seed(1)
+    K, G, M, T, A = 3, 8, 5, 10, 5.0
+    scale = torch.tensor([1.0, 0.1, 30.0])[:, None]
+    scores = scale * torch.randn(K, G * M, generator=gen, dtype=torch.float64)
+    scores[2, :G] = 7.0  # a flat group of reward 2 stays flat
+    r = recast.batch_optimality(scores, G, A)
+    s = scores.unflatten(-1, (M, G))
+    centred = s - s.mean(-1, keepdim=True)
+    sigma = centred.pow(2).mean((1, 2)).sqrt()  # one value per reward
+    assert sigma.shape == (K,)
+    adv = 2 * A * (r - 0.5)
+    torch.testing.assert_close(adv, (centred / (sigma[:, None, None] + 1e-4)).flatten(1))
+    assert (r[2, :G] == 0.5).all()
+    unit = scores / scale  # the same rewards on one scale: the same r, to the 1e-4 of the eps
+    torch.testing.assert_close(recast.batch_optimality(unit, G, A), r, rtol=0, atol=1e-3)
+    lam = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    W = (lam[:, None] / T).expand(K, T)
+    mix = (W.T @ r) / W.sum(0)[:, None]  # (T, N): every timestep the same
+    summed = (lam / (sigma + 1e-4)) @ scores  # Σ_k λ_k s_k/σ_k
+    summed = summed.unflatten(-1, (M, G))
+    expected = (0.5 + (summed - summed.mean(-1, keepdim=True)).flatten() / (2 * A)).expand(T, -1)
+    torch.testing.assert_close(mix, expected)
+    ranks = [recast.batch_optimality(scores[:, : 2 * G], G, A),
+             recast.batch_optimality(scores[:, 2 * G :], G, A)]  # fmt: skip
+    assert not torch.allclose(torch.cat(ranks, 1), r)  # why `final` is gathered before it
+
+
+def test_signal_share_says_what_lambda_weighs_under_each_normalisation():
+    """signal_share (DESIGN §3): λ under per-reward and batch; λ × raw spread under joint."""
+    import recast
+
+    gen = torch.Generator().manual_seed(2)
+    K, G, M = 2, 8, 16
+    scores = torch.tensor([10.0, 0.1])[:, None] * torch.randn(K, G * M, generator=gen)
+    lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    for norm in ("per-reward", "batch"):
+        share = recast.signal_share(scores, lam, G, norm)
+        torch.testing.assert_close(share, lam, rtol=0, atol=0.05)
+    joint = recast.signal_share(scores, lam, G, "joint")
+    assert joint[0] > 0.95 and joint.sum().item() == pytest.approx(1.0)
+    flat = torch.zeros(K, G * M, dtype=torch.float64)  # no reward varies: no signal, no NaN
+    assert (recast.signal_share(flat, lam, G, "joint") == 0).all()
 
 
 def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path, capsys):
@@ -659,7 +741,7 @@ def main_here(*flags, env=None) -> None:
     from unittest import mock
 
     import recast
-    from kernels import nft_loss, renyi
+    from recast_kernels import nft_loss, renyi
 
     env = dict(env or {})
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -890,6 +972,14 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
     p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 16)
     assert p["source"] == "the base model"
     assert all(sd > 0 for sd in p["bootstrap"]["centroids"])  # 4 groups: a visible spread
+    # each reward's share of the signal beside λ: under joint, position's pixels take most of it
+    assert p["normalize"] == "joint" and sum(p["share"]) == pytest.approx(1.0)
+    assert p["share"][0] > 2 * 0.4 / 1.5 and "warning: the share of position" in said
+    recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "4", "--group-size",
+                 "4", "--normalize", "per-reward", "--out", str(tmp_path / "pr")])  # fmt: skip
+    said = capsys.readouterr().out
+    share = json.loads((tmp_path / "pr" / "profile.json").read_text())["share"]
+    assert share == pytest.approx([0.4, 0.2, 0.2, 0.2], abs=5e-3) and "warning" not in said
     with pytest.raises(SystemExit) as e:  # the folder exists now: as for training, exit 2
         recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--out", str(out)])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
@@ -1137,10 +1227,16 @@ def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monke
     assert "'color'" in err and "prompt '" in err and "inf" in err
 
 
-def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("normalize", ["joint", "per-reward", "batch"])
+def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypatch, capsys,
+                                                            normalize):  # fmt: skip
+    """A reward constant in every group trains nothing, says so once a run, and no NaN."""
     monkeypatch.setitem(rewards.REWARDS, "color", lambda im, p: torch.full((len(p),), 0.5))
-    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", tmp_path / "run")
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--normalize", normalize,
+              "--out", tmp_path / "run")  # fmt: skip
+    assert capsys.readouterr().out.count("note: reward color is constant in every group") == 1
     for m in metrics_of(tmp_path / "run")[1:]:
+        assert m["adv/max/color"] == 0 and m["share/color"] == 0
         assert m["groups/constant"] == 4  # the four prompt groups of `color`, and nothing else
         assert all(math.isfinite(x) for row in m["D"] + m["gains"] + m["W"] for x in row)
         assert math.isfinite(m["loss"])

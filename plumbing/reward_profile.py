@@ -8,8 +8,8 @@ recast.py.
 
 import torch
 
-from kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
 from plumbing.plots import timestep_centroid
+from recast_kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
 
 BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
 
@@ -84,15 +84,32 @@ def lines(p: dict) -> list[str]:
         f"{p['images_scored']} images, each step prediction and final image scored by "
         f"{len(p['names'])} rewards ({p['seconds']:.0f} s: one rollout and its scoring; an epoch "
         "also updates and evaluates)",
-        f"{'reward':<12} {'λ':>5}  {'informative':<11}  profile centroid  W centroid "
-        f"(uniform {p['uniform_centroid']:.1f})",
+        f"{'reward':<12} {'λ':>5} {'share':>6}  {'informative':<11}  profile centroid  "
+        f"W centroid (uniform {p['uniform_centroid']:.1f})",
     ]
     for k, n in enumerate(p["names"]):
         c = p["centroids"][k]
         when = "early" if c < (T - 1) / 2 - 1 else "late" if c > (T - 1) / 2 + 1 else "mid-way"
         out.append(
-            f"{n:<12} {p['lam'][k]:>5.2f}  {when:<11}  {c:5.2f} ± {sd['centroids'][k]:.2f}     "
-            f"{p['W_centroids'][k]:5.2f} ({p['centroid_shift'][k]:+.2f})"
+            f"{n:<12} {p['lam'][k]:>5.2f} {p['share'][k]:>6.2f}  {when:<11}  {c:5.2f} ± "
+            f"{sd['centroids'][k]:.2f}     {p['W_centroids'][k]:5.2f} "
+            f"({p['centroid_shift'][k]:+.2f})"
+        )
+    out.append(
+        f"share: each reward's effective share of the training signal under --normalize "
+        f"{p['normalize']} on this rollout: λ_k × the spread of its advantage in a group, summed "
+        "to 1 (DESIGN §3)"
+    )
+    off = [
+        n
+        for n, b, s in zip(p["names"], p["lam"], p["share"], strict=True)
+        if not b / 2 <= s <= 2 * b
+    ]
+    if off:
+        out.append(
+            f"warning: the share of {', '.join(off)} differs from λ by more than a factor of 2: "
+            f"under --normalize {p['normalize']} λ weighs raw score scales; --normalize batch or "
+            "per-reward gives each reward about λ (DESIGN §3)"
         )
     out += [
         f"W's L1 distance from uniform weighting λ/T: {p['l1_from_uniform']:.2f} ± "
