@@ -42,7 +42,8 @@ from plumbing import cli
 @dataclass
 class Args:
     # a flag's value in runs made before the flag existed (their args.json lacks it)
-    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward", "shard": False}
+    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward", "shard": False,
+                              "precision": "auto"}  # fmt: skip
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
@@ -138,6 +139,11 @@ class Args:
     """under torchrun: shard the transformer (base weights and adapters) and the text encoders
     across the ranks, layer by layer (FSDP2), instead of a whole copy on every GPU (DDP); for the
     models that do not fit one GPU (docs/models.md)"""
+    precision: str = "auto"
+    """bf16 | fp32 | auto (bf16 on CUDA, fp32 elsewhere): a diffusers --model's frozen weights
+    and forwards; bf16 loads them in bf16 and runs every forward under bf16 autocast, while the
+    adapters, their optimizer state and the VAE decode stay fp32 (under --shard FSDP2 gathers in
+    bf16 and reduces gradients in fp32); the toy world computes in fp32"""
     guidance: float = 0.0
     """the guidance-embedding input of a guidance-distilled transformer (FLUX.1-dev: 3.5, its
     model card's value); 0: the family has none"""
@@ -176,6 +182,7 @@ CHOICES = {  # flags with a fixed set of values
     "normalize": ["per-reward", "joint", "batch"],
     "log": ["none", "tensorboard"],
     "score_precision": ["fp32", "bf16"],
+    "precision": ["auto", "bf16", "fp32"],
 }
 
 # --help answers here, before torch and the models' libraries load (seconds)
@@ -366,6 +373,9 @@ def setup(argv: list[str] | None) -> "Run":
     if args.shard and not is_diffusers(args.model):
         cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
                  "diffusers models, --model)")  # fmt: skip
+    if args.precision == "bf16" and not is_diffusers(args.model):
+        cli.fail("--precision", "the toy world computes in fp32: drop --precision (it is for "
+                 "diffusers models, --model)")  # fmt: skip
     if args.shard and not distributed:
         cli.fail("--shard", "shards the models across torchrun's processes: launch with "
                  "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip
@@ -425,7 +435,7 @@ def setup(argv: list[str] | None) -> "Run":
             cli.fail(flag, f"could not load a reward model: {e}")
     reward_fns = {n: scorers[n] for n in names}
     if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md)
-        shard_models(world.shardable(), device)
+        shard_models(world.shardable(), device, distributed.resolve_precision(args, device))
     elif distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)

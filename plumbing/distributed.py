@@ -180,6 +180,11 @@ def default_precision(device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
+def resolve_precision(args, device: torch.device) -> str:
+    """recast.py's --precision on `device`: "bf16" or "fp32" ("auto": default_precision)."""
+    return default_precision(device) if args.precision == "auto" else args.precision
+
+
 def shard_models(
     modules: list[torch.nn.Module], device: torch.device, precision: str | None = None
 ) -> None:

@@ -6,6 +6,8 @@ pipelines modelzoo builds (random weights, nothing downloaded):
 - SIGTERM finishes the epoch on every rank and resumes to the same numbers; a rank killed ends the
   run in seconds naming the --resume command; a second launch on a live run folder exits 2;
 - bad input: --shard without torchrun, or with the toy world, exits 2 naming the flag;
+- --precision bf16 (CUDA's policy) forced on CPU: a new run, a resume, --grad-accum 2, --profile,
+  and the sharded run equals DDP's under it;
 - shard_models' bf16 precision (CUDA's), forced on 2 gloo processes: a backward after a first
   forward with the adapters disabled (the base model's evaluation) gives the unsharded model's
   fp32 gradients, and the timestep reaches the transformer in fp32 (seconds).
@@ -173,6 +175,37 @@ def test_sharded_resume_is_exact_and_sigterm_stops_every_rank(models, tmp_path):
     assert all(torch.equal(lora(stopped, 2)[k], lora(whole, 2)[k]) for k in lora(whole, 2))
     for a, b in zip(metrics_of(stopped)[:3], metrics_of(whole), strict=True):
         assert common(a, b) == common(b, a)
+
+
+@pytest.mark.slow
+def test_the_cuda_precision_policy_trains_resumes_profiles_and_equals_ddp(models, tmp_path):
+    """--precision bf16 (CUDA's default: bf16 weights and forwards, FSDP2 gathering in bf16 and
+    reducing in fp32) forced on 2 gloo ranks: a new sharded run trains (its first forward is the
+    base model's, adapters disabled), one epoch then --resume equals two epochs bit for bit, with
+    --grad-accum 2 too, --profile runs, and the sharded run equals DDP's under the same policy
+    (FSDP2 casts no input, so both see the fp32 timestep; the same SHARD_ATOL and 1e-4 metrics:
+    measured equal to the bit on CPU)."""
+    flags = flags_of(models, "sd3", "--precision", "bf16", "--shard")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run2(models, whole, *flags, "--epochs", "2", "--grad-accum", "2")
+    run2(models, part, *flags, "--epochs", "1", "--grad-accum", "2")
+    run2(models, part, "--resume", "--epochs", "2")
+    assert all(torch.equal(lora(part, 2)[k], lora(whole, 2)[k]) for k in lora(whole, 2))
+    assert max(lora(whole, 2)[k].abs().max().item() for k in lora(whole, 2)
+               if "lora_B.default" in k) > 1e-3  # fmt: skip
+    assert all(v.dtype == torch.float32 for v in lora(whole, 2).values())
+    ddp = tmp_path / "ddp"
+    run2(models, ddp, *flags[:-1], "--epochs", "2", "--grad-accum", "2")
+    for a, b in zip(metrics_of(whole), metrics_of(ddp), strict=True):
+        a, b = numbers(a), numbers(b)
+        for k in a:
+            tol = 1e-3 if k.startswith(("adv/", "share/", "clamp/")) else 1e-4
+            got, want = torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k]).double()
+            assert torch.allclose(got, want, rtol=tol, atol=1e-6), (k, a[k], b[k])
+    x, y = lora(whole, 2), lora(ddp, 2)
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < SHARD_ATOL
+    run2(models, tmp_path / "profile", *flags, "--profile")
+    assert (tmp_path / "profile" / "profile.json").is_file()
 
 
 @pytest.mark.slow

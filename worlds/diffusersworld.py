@@ -4,10 +4,11 @@ on a diffusers text-to-image pipeline, with a small part per model family.
 This file holds what every family shares: prompts, the two LoRA adapters (peft) on the
 transformer, "default" the trained policy θ and "old" the sampling policy θ_old (an EMA of θ,
 DESIGN §6), the frozen reference (the transformer with its adapters disabled), chunked text
-encoding and VAE decoding, and the EMA. VAE and text encoders are frozen. On CUDA the frozen
-weights are bf16 and every forward runs under bf16 autocast, while the adapters and the VAE decode
-stay fp32; on CPU everything is fp32. Sampling is CFG-free Euler on the schedule of the pipeline's
-own scheduler, and noising is x_t = (1 - t)·x0 + t·ε, both in the family's own latent layout
+encoding and VAE decoding, and the EMA. VAE and text encoders are frozen. Under --precision bf16
+(the default on CUDA) the frozen weights are bf16 and every forward runs under bf16 autocast, while
+the adapters and the VAE decode stay fp32; under fp32 (the default elsewhere) everything is fp32.
+Sampling is CFG-free Euler on the schedule of the pipeline's own scheduler, and noising is
+x_t = (1 - t)·x0 + t·ε, both in the family's own latent layout
 (packing 2×2 patches only reorders values, so the NFT loss is the same).
 
 A family part (sd3world.py, fluxworld.py, flux2world.py, qwenimageworld.py; families.py picks one
@@ -31,6 +32,7 @@ import os
 import numpy as np
 import torch
 
+from plumbing import distributed
 from worlds import hub
 
 EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
@@ -176,6 +178,7 @@ class DiffusersWorld:
         from peft import LoraConfig
 
         self.device, self.family, self.args = device, family, args
+        self.bf16 = distributed.resolve_precision(args, device) == "bf16"  # --precision
         self.train_prompts, self.eval_prompts = split_prompts(
             args.prompts_file, args.eval_prompts_file
         )
@@ -185,7 +188,7 @@ class DiffusersWorld:
             family.check(configs, args)  # before a weight is loaded
             # components saved as null (e.g. T5 left out) must be passed as None explicitly
             absent = {k: None for k, v in configs["pipeline"].items() if v == [None, None]}
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            dtype = torch.bfloat16 if self.bf16 else torch.float32
             pipeline = getattr(diffusers, family.PIPELINE)
             pipe = pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
         else:
@@ -255,7 +258,8 @@ class DiffusersWorld:
         return self.family.schedule(self.pipe, steps, self.latent_shape).float().to(self.device)
 
     def _autocast(self):
-        return torch.autocast("cuda", torch.bfloat16, enabled=self.device.type == "cuda")
+        kind = "cuda" if self.device.type == "cuda" else "cpu"  # "cpu" for the planner's meta too
+        return torch.autocast(kind, torch.bfloat16, enabled=self.bf16)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
