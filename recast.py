@@ -195,7 +195,14 @@ from tqdm import tqdm
 
 import rewards
 from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
-from plumbing.distributed import gather, init_processes, mean_all, same_on_all_ranks, shard_models
+from plumbing.distributed import (
+    gather,
+    init_processes,
+    mean_all,
+    resolve_precision,
+    same_on_all_ranks,
+    shard_models,
+)
 from plumbing.plots import timestep_centroid
 from plumbing.seeding import epoch_generator
 from recast_kernels.nft_loss import nft_loss
@@ -435,7 +442,7 @@ def setup(argv: list[str] | None) -> "Run":
             cli.fail(flag, f"could not load a reward model: {e}")
     reward_fns = {n: scorers[n] for n in names}
     if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md)
-        shard_models(world.shardable(), device, distributed.resolve_precision(args, device))
+        shard_models(world.shardable(), device, resolve_precision(args, device))
     elif distributed:
         ids = [device.index] if device.type == "cuda" else None
         world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
