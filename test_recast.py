@@ -1032,6 +1032,10 @@ def test_the_shipped_prediction_is_the_tests_verdict():
             assert reward_profile.PREDICTION[b] == pytest.approx(want, abs=1e-9), line
         else:
             assert b not in reward_profile.PREDICTION, line
+        alone = next(x for x in lines if x.startswith("- over the 10 test cells alone")
+                     and f"the gain over {b}:" in x)  # fmt: skip
+        rho = float(re.search(r"ρ ([+-][0-9.]+) ", alone).group(1))
+        assert reward_profile.TEST_CELLS_RHO[b] == rho and "did not hold" in alone, alone
 
 
 def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch):
