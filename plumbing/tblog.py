@@ -1,8 +1,46 @@
-"""--log tensorboard: a view of metrics.jsonl and the run's pictures (rank 0)."""
+"""--log: views of metrics.jsonl and the run's pictures (rank 0), in TensorBoard and in wandb."""
 
+import importlib
+import json
 import os
+import secrets
 
 import numpy as np
+
+from plumbing import cli
+from plumbing.checkpoints import resume_command, write_json_atomic
+
+TARGETS = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --log: its module
+WANDB_ID = "wandb.json"  # in the run folder: the wandb run that a resumed run continues
+
+
+def targets(text: str) -> list[str]:
+    """--log's value → its targets: "none" (none), or one or more of TARGETS, comma-separated
+    (e.g. "tensorboard,wandb"). A ValueError names an unknown one."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or not names:
+        raise ValueError(f"unknown target {', '.join(unknown) or repr(text)}: give none, or one or "
+                         f"more of {', '.join(TARGETS)} separated by commas")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+def missing(names: list[str]) -> str | None:
+    """What to install for the targets `names`, or None when every one's package imports."""
+    for name in names:
+        try:
+            importlib.import_module(TARGETS[name])
+        except ImportError:
+            return f"{name} is not installed: pip install {name} (or drop it from --log)"
+    return None
+
+
+def _scalars(m: dict) -> dict:
+    """The numbers of a metrics.jsonl line, but its epoch (W, D and gains are lists: not here)."""
+    return {k: v for k, v in m.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "epoch"}  # fmt: skip
 
 
 class TensorBoard:
@@ -17,9 +55,8 @@ class TensorBoard:
 
     def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
         step = m["epoch"]
-        for k, v in m.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "epoch":
-                self.writer.add_scalar(k, v, step)
+        for k, v in _scalars(m).items():
+            self.writer.add_scalar(k, v, step)
         evaluated = any(k.startswith("eval/") for k in m)
         for name in ("W", "samples") if pictures else ():
             path = os.path.join(out, f"{name}.png")
@@ -32,3 +69,62 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandB:
+    """--log wandb (rank 0): the scalars TensorBoard gets, at the same epochs (wandb's step), and
+    W.png and samples.png as images at each eval. One wandb run per run folder: its id is kept in
+    OUT/wandb.json, so a resumed run continues it (epochs that wandb already holds are not sent
+    again). wandb's own variables apply: WANDB_MODE=offline (no network; `wandb sync` uploads
+    later), WANDB_PROJECT (default "recast"), WANDB_ENTITY, WANDB_DIR (default: the run folder)."""
+
+    def __init__(self, out: str, config: dict):
+        import wandb
+
+        path = os.path.join(out, WANDB_ID)
+        kept = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                kept = json.load(f)
+        run_id = kept.get("id") or secrets.token_hex(4)
+        project = kept.get("project") or os.environ.get("WANDB_PROJECT") or "recast"
+        try:
+            self.run = wandb.init(project=project, id=run_id, resume="allow", config=config,
+                                  name=os.path.basename(os.path.normpath(out)),
+                                  dir=os.environ.get("WANDB_DIR") or out)  # fmt: skip
+        except wandb.errors.Error as e:  # not logged in, no network: a line, not a traceback
+            cli.fail("--log", f"wandb could not start its run ({e}): log in (wandb login) or set "
+                     f"WANDB_MODE=offline, then continue: {resume_command(out)}")  # fmt: skip
+        if kept != {"id": run_id, "project": project}:
+            write_json_atomic(path, {"id": run_id, "project": project})
+        self.image = wandb.Image
+
+    def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
+        step = m["epoch"]
+        if step < self.run.step:  # resumed: the wandb run holds this epoch already
+            return
+        data = _scalars(m)
+        if pictures and any(k.startswith("eval/") for k in m):
+            for name in ("W", "samples"):
+                path = os.path.join(out, f"{name}.png")
+                if os.path.isfile(path):
+                    data[name] = self.image(path)
+        self.run.log(data, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Views:
+    """Every --log target, each fed every metrics.jsonl line (rank 0)."""
+
+    def __init__(self, names: list[str], out: str, config: dict):
+        self.views = [TensorBoard(out) if n == "tensorboard" else WandB(out, config) for n in names]
+
+    def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
+        for view in self.views:
+            view.epoch(m, out, pictures)
+
+    def close(self) -> None:
+        for view in self.views:
+            view.close()

@@ -23,37 +23,24 @@ a forward is 7.7 TFLOP for the 3B (3.6 of them in the vision tower) and 13.3 for
 measured). studies/judge_cost.py computes these; docs/judge.md has the table. Activations are
 small beside the weights: nothing is cached.
 
-The model must be a local folder as released (config.json, weights, tokenizer files with the chat
-template, preprocessor_config.json): nothing is downloaded, and a missing or wrong folder is a
-FileNotFoundError or ValueError that says what is missing and what would work. Images go through
-the model's tokenizer and image processor directly: transformers' processor object for this family
-also builds a video processor, which needs torchvision, and a judge of still images needs neither.
+The model is loaded by rewards.VLM (shared with the `vqa` reward): a local folder as released,
+nothing downloaded, a missing or wrong folder a FileNotFoundError or ValueError that says what is
+missing and what would work.
 """
 
-import json
 import os
-import re
 
 import torch
-from PIL import Image
 from tqdm import tqdm
-from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+from rewards import VLM, VLM_IMAGE_TOKEN, to_pil  # noqa: F401 (to_pil: the judge's, as before)
 
 QUESTION = (
     'Two images were generated for the prompt: "{prompt}". Which image follows the prompt more '
     "faithfully and looks better? Answer with 1 for the first image or 2 for the second."
 )
-IMAGE_TOKEN = "<|image_pad|>"  # one per image in the template; one per merged patch in the input
+IMAGE_TOKEN = VLM_IMAGE_TOKEN
 PROGRESS_OVER = 8  # pairs: a progress bar for more than this many
-MODELS = "Qwen2.5-VL-3B-Instruct or Qwen2.5-VL-7B-Instruct"
-FETCH = "hf download Qwen/Qwen2.5-VL-7B-Instruct --local-dir DIR, where there is network"
-
-
-def to_pil(images: torch.Tensor) -> list[Image.Image]:
-    """(B, 3, H, W) in [-1, 1] → B RGB images, rounded to 8 bits as a saved PNG is."""
-    x = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(a) for a in x.permute(0, 2, 3, 1).cpu().numpy()]
 
 
 def both_orders(ab: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
@@ -63,26 +50,6 @@ def both_orders(ab: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
     vote_ab = torch.sign(ab).to(torch.int8)  # +1: A
     vote_ba = -torch.sign(ba).to(torch.int8)  # +1: A (shown second)
     return torch.where(vote_ab == vote_ba, vote_ab, 0)
-
-
-def _require(path: str, name: str, what: str) -> None:
-    if not os.path.isfile(os.path.join(path, name)):
-        raise FileNotFoundError(
-            f"VLM judge: {path!r} has no {name} ({what}); a model folder as released has it "
-            f"({MODELS}: {FETCH})"
-        )
-
-
-def _chat_template(path: str, tokenizer) -> str:
-    """The processor's chat template (chat_template.json) if the folder has one, else the
-    tokenizer's (tokenizer_config.json or chat_template.jinja)."""
-    processor_template = os.path.join(path, "chat_template.json")
-    if os.path.isfile(processor_template):
-        with open(processor_template) as f:
-            return json.load(f)["chat_template"]
-    if tokenizer.chat_template:
-        return tokenizer.chat_template
-    raise ValueError(f"VLM judge: {path!r} has no chat template (chat_template.json or .jinja)")
 
 
 class VLMJudge:
@@ -95,75 +62,26 @@ class VLMJudge:
         device: torch.device | str,
         dtype: torch.dtype | None = None,
     ):
-        path = os.fspath(path)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"VLM judge: {path!r} is not a folder here; give the local folder of a "
-                f"vision-language model such as {MODELS} ({FETCH})"
-            )
-        _require(path, "config.json", "the model's configuration")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-            raise ValueError(
-                f"VLM judge: {path!r} holds a {config.model_type!r} model, not an "
-                f"image-text-to-text one; the judge needs a vision-language model such as {MODELS}"
-            )
-        _require(path, "preprocessor_config.json", "the image processor's settings")
-        _require(path, "tokenizer_config.json", "the tokenizer")
-        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.tokenizer.padding_side = "left"  # every row's last position is where the answer starts
-        self.image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-        self.image_token_id = self.tokenizer.get_vocab().get(IMAGE_TOKEN)
-        if not hasattr(self.image_processor, "merge_size") or self.image_token_id is None:
-            raise ValueError(
-                f"VLM judge: {path!r} is a {config.model_type!r} model; the judge lays out images "
-                f"as the Qwen2-VL family does ({IMAGE_TOKEN} tokens, merged patches): use {MODELS}"
-            )
-        self.chat_template = _chat_template(path, self.tokenizer)
+        self.vlm = VLM(path, device, dtype, who="VLM judge")
+        self.tokenizer, self.image_processor = self.vlm.tokenizer, self.vlm.image_processor
+        self.device = self.vlm.device
         if self._text("x").count(IMAGE_TOKEN) != 2:
             raise ValueError(f"VLM judge: the chat template of {path!r} does not place 2 images")
-        self.answer_ids = []  # the token ids of "1" and "2"
-        for answer in ("1", "2"):
-            ids = self.tokenizer.encode(answer, add_special_tokens=False)
-            if len(ids) != 1:
-                raise ValueError(f"VLM judge: {path!r}'s tokenizer splits {answer!r} into {ids}")
-            self.answer_ids += ids
-        self.device = torch.device(device)
-        if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            path, local_files_only=True, dtype=dtype
-        )
-        self.model.to(self.device).eval().requires_grad_(False)
+        self.answer_ids = [self.vlm.one_token(answer) for answer in ("1", "2")]
+        self.vlm.load()
+        self.model = self.vlm.model
 
     def _text(self, prompt: str) -> str:
         """The chat-formatted question about `prompt`, up to where the model's answer starts."""
         content = [{"type": "image"}, {"type": "image"}]
-        content.append({"type": "text", "text": QUESTION.format(prompt=prompt)})
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}],
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        return self.vlm.chat([*content, {"type": "text", "text": QUESTION.format(prompt=prompt)}])
 
-    def _inputs(self, pairs: list[tuple[Image.Image, Image.Image]], prompts: list[str]) -> dict:
+    def _inputs(self, pairs: list[tuple], prompts: list[str]) -> dict:
         """The model's inputs for len(pairs) sequences, each showing its pair's images in order:
         the image processor's patches, and each image's placeholder widened to one token per
         merged patch (as transformers' Qwen2-VL processor does)."""
         images = [im for pair in pairs for im in pair]
-        pixels = self.image_processor(images=images, return_tensors="pt")
-        merged = pixels["image_grid_thw"].prod(-1) // self.image_processor.merge_size**2
-        widths = iter(merged.tolist())
-        texts = [
-            re.sub(re.escape(IMAGE_TOKEN), lambda _: IMAGE_TOKEN * next(widths), self._text(p))
-            for p in prompts
-        ]
-        tokens = self.tokenizer(texts, padding=True, return_tensors="pt")
-        # which tokens are image patches: the model builds its 3-D rotary positions from this
-        mm_token_type_ids = (tokens["input_ids"] == self.image_token_id).int()
-        inputs = {**tokens, **pixels, "mm_token_type_ids": mm_token_type_ids}
-        return {k: torch.as_tensor(v).to(self.device) for k, v in inputs.items()}
+        return self.vlm.inputs(images, [self._text(p) for p in prompts])
 
     @torch.no_grad()
     def margins(

@@ -284,6 +284,58 @@ def test_two_epochs_with_resume_and_profile(variant, tiny_dirs, prompts_file, re
     assert p["names"] == ["pickscore", "aesthetic"] and p["images_scored"] == 4
 
 
+# pixels in [0, 1], fp32 on CPU; measured: 0 (SD3, FLUX.1, FLUX.2-klein), 6e-7 (Qwen-Image)
+EXPORT_ATOL = 1e-5
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs, prompts_file,
+                                                             reward_env, tmp_path):  # fmt: skip
+    """A one-epoch run, then `recast.py --export RUN --to DIR`: the family's diffusers pipeline
+    with `load_lora_weights(DIR)`, called CFG-free (PIPELINE_CALL) on the run's held-out prompts
+    and eval noise (the latents, checked against the run's digest of them) with its steps, draws
+    the images the run's own sampler draws with its trained policy (the checkpoint's "default"
+    adapter) within EXPORT_ATOL, and the run's kept eval images (8-bit PNGs) within one level;
+    without the LoRA it draws other images."""
+    import diffusers
+
+    import recast
+    from plumbing import eval_images, export
+    from worlds import flux2world
+
+    folder, out, lora = tiny_dirs(variant), tmp_path / "run", tmp_path / "lora"
+    flags = ["--model", folder, *VARIANTS[variant][1], "--prompts-file", prompts_file, *RUN]
+    main_here(*flags, "--epochs", "1", "--eval-seeds", "2", "--out", out,
+              env={**reward_env, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    export.main(["--export", str(out), "--to", str(lora)])
+    assert sorted(os.listdir(lora)) == [export.WEIGHTS, export.INFO]
+    index, kept = eval_images.load(str(out))  # the run's own sampler's images, as PNGs
+    world, _ = world_of(variant, folder, prompts_file)
+    noise = torch.randn(len(index["prompts"]), *world.latent_shape,
+                        generator=torch.Generator().manual_seed(recast.EVAL_SEED))  # fmt: skip
+    assert eval_images.noise_digest(noise) == index["noise_sha256"]
+    from safetensors.torch import load_file
+
+    world.load_state_dict(load_file(out / "ckpt" / "epoch_0001" / "model.safetensors"))
+    _, drawn = recast.evaluate(world, {}, index["prompts"], noise, world.sigmas(3), 4)
+    drawn = (drawn + 1) / 2  # the trained policy, as the run samples it
+    pipe_cls = getattr(diffusers, world.family.PIPELINE)
+    absent = {k: None for k, v in pipe_cls.load_config(folder).items() if v == [None, None]}
+    pipe = pipe_cls.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora))
+    latents = flux2world.unpack(noise) if variant == "flux2-klein" else noise  # its input layout
+    call = dict(prompt=index["prompts"], latents=latents, num_inference_steps=3, height=32,
+                width=32, output_type="pt", **PIPELINE_CALL[variant])  # fmt: skip
+    image = pipe(**call).images.float()
+    err = (image - drawn).abs().max().item()
+    assert err < EXPORT_ATOL, err
+    levels = eval_images.to_uint8(image * 2 - 1).astype(int) - eval_images.to_uint8(kept)
+    assert abs(levels).max() <= 1
+    pipe.unload_lora_weights()  # the base model: the LoRA changed the images
+    assert (pipe(**call).images.float() - drawn).abs().max() > 100 * EXPORT_ATOL
+
+
 @pytest.mark.slow
 def test_torchrun_trains_flux_dev_in_step(tiny_dirs, prompts_file, reward_env, tmp_path):
     """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it)."""

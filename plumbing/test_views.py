@@ -1,0 +1,110 @@
+"""--log's views of a run (plumbing/tblog.py): TensorBoard and wandb, the latter in its offline
+mode (no network, no account), read back from the files it writes; and --log's bad input."""
+
+import json
+import os
+import struct
+import sys
+
+import pytest
+
+from test_recast import TINY, main_here, metrics_of, recast_exit
+
+
+def wandb_records(path):
+    """The records of a wandb run's transaction log (its run-ID.wandb file): wandb's protobuf
+    Records in LevelDB's log format, after a 7-byte header (":W&B", magic, version): 32 KiB
+    blocks of chunks (CRC32 4 bytes, length 2, type 1: full, first, middle, last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", path
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_history(run_dirs) -> tuple[dict, dict]:
+    """({(name, step): number} logged, {(image name, step): the image file}) of the wandb runs
+    in `run_dirs` (one per process that logged to it), wandb's own _runtime, _step, … left out."""
+    scalars, images = {}, {}
+    for run_dir in run_dirs:
+        (log,) = [f for f in os.listdir(run_dir) if f.endswith(".wandb")]
+        for record in wandb_records(os.path.join(run_dir, log)):
+            if record.WhichOneof("record_type") != "history":
+                continue
+            step = record.history.step.num
+            items = {}
+            for item in record.history.item:
+                key = [item.key] if item.key else list(item.nested_key)
+                items[tuple(key)] = json.loads(item.value_json)
+            for key, value in items.items():
+                if len(key) == 1 and not key[0].startswith("_"):
+                    scalars[(key[0], step)] = value
+                elif len(key) == 2 and key[1] == "path":
+                    assert items[(key[0], "_type")] == "image-file"
+                    images[(key[0], step)] = os.path.join(run_dir, "files", value)
+    return scalars, images
+
+
+def numbers_of(lines: list[dict]) -> dict:
+    return {(k, m["epoch"]): v for m in lines for k, v in m.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "epoch"}  # fmt: skip
+
+
+def test_wandb_offline_logs_what_tensorboard_does_and_a_resumed_run_continues_it(
+    tmp_path, monkeypatch
+):
+    """--log tensorboard,wandb on one epoch, then --resume to two: wandb (offline) holds every
+    number of metrics.jsonl at its epoch, as TensorBoard does, and samples.png and W.png at each
+    eval (epochs 1 and 2, each run's last), byte for byte; the resumed run logs to the same wandb
+    run (its id kept in OUT/wandb.json), and sends no epoch twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "600")  # its service starts slowly on a busy CPU
+    (tmp_path / "wandb_dir").mkdir()
+    out, flags = tmp_path / "run", [*TINY, "--lambda", "0.4,0.2,0.2,0.2"]
+    main_here(*flags, "--epochs", "1", "--log", "tensorboard,wandb", "--out", out)
+    pictures = {n: (out / f"{n}.png").read_bytes() for n in ("W", "samples")}  # epoch 1's
+    main_here(*flags, "--epochs", "2", "--log", "tensorboard,wandb", "--resume", "--out", out)
+    run_id = json.loads((out / "wandb.json").read_text())["id"]
+    root = tmp_path / "wandb_dir" / "wandb"
+    runs = sorted(root / d for d in os.listdir(root) if d.startswith("offline-run-"))
+    assert len(runs) == 2 and all(d.name.endswith("-" + run_id) for d in runs)
+    scalars, images = wandb_history(runs)
+    numbers = numbers_of(metrics_of(out))
+    assert scalars.keys() == numbers.keys()
+    assert all(scalars[k] == pytest.approx(v, rel=1e-12, abs=0) for k, v in numbers.items())
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert {(k, e.step) for k in events.Tags()["scalars"] for e in events.Scalars(k)} == set(
+        numbers
+    )  # the same numbers as TensorBoard's
+    assert sorted(images) == [("W", 1), ("W", 2), ("samples", 1), ("samples", 2)]
+    for name, before in pictures.items():
+        assert open(images[(name, 1)], "rb").read() == before
+        assert open(images[(name, 2)], "rb").read() == (out / f"{name}.png").read_bytes()
+
+
+def test_log_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--log wandb without wandb installed names the package; an unknown target is named with
+    the known ones; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
+    err = recast_exit(capsys, "--lambda", "1,1,1,1", "--log", "tensorboard,wandb")
+    assert "error: --log" in err and "pip install wandb" in err
+    err = recast_exit(capsys, "--lambda", "1,1,1,1", "--log", "tensorboard,mlflow")
+    assert "error: --log" in err and "mlflow" in err and "tensorboard, wandb" in err
+    assert os.listdir(tmp_path) == []

