@@ -19,6 +19,7 @@ DESIGN.md gives every formula; the phases below carry its section numbers.
         --lambda 0.4,0.2,0.2,0.2 --prompts-file prompts.txt          # one GPU
     torchrun --nproc_per_node=8 recast.py --model ./sd3.5-medium ...  # DDP, several GPUs
     torchrun --nproc_per_node=8 recast.py --model ./FLUX.1-dev --shard ...  # FSDP2: sharded
+    python recast.py --export runs/NAME --to lora/   # the trained LoRA, for diffusers' pipelines
 
 Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion Reinforcement"
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).
@@ -163,7 +164,9 @@ class Args:
     ckpt_every: int = 1
     """epochs between checkpoints (and always the last)"""
     log: str = "none"
-    """none | tensorboard: also log to OUT/tensorboard (needs pip install tensorboard)"""
+    """none | tensorboard | wandb, or several separated by commas (tensorboard,wandb): also log
+    every epoch's numbers and pictures to OUT/tensorboard (pip install tensorboard) or to a wandb
+    run that --resume continues (pip install wandb; WANDB_MODE=offline works without network)"""
     profile: bool = False
     """train nothing: one rollout of the base model (or --resume's latest policy), its step
     predictions scored, and where each reward is informative and the W that ReCAST would use
@@ -180,7 +183,6 @@ TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac
 CHOICES = {  # flags with a fixed set of values
     "weighting": ["recast", "uniform", "sum", "reversed"],
     "normalize": ["per-reward", "joint", "batch"],
-    "log": ["none", "tensorboard"],
     "score_precision": ["fp32", "bf16"],
     "precision": ["auto", "bf16", "fp32"],
 }
@@ -265,7 +267,7 @@ class Run:
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
     params: list
     optimizer: torch.optim.Optimizer
-    tensorboard: tblog.TensorBoard | None = None  # rank 0 with --log tensorboard
+    views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
     flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
     # A benchmark's hook, entered around each phase and step of the loop by name (rollout, score,
     # recast, steps, weights, update, loss, backward, eval, save): benchmarks/scale_check.py times
@@ -406,11 +408,12 @@ def setup(argv: list[str] | None) -> "Run":
     if set(judges) & set(names):
         both = ", ".join(n for n in judges if n in names)
         cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
-    if args.log == "tensorboard":
-        try:
-            from torch.utils import tensorboard  # noqa: F401 (import torch.… would shadow torch)
-        except ImportError:
-            cli.fail("--log", "tensorboard is not installed: pip install tensorboard (or no --log)")
+    try:  # --log's targets, and their packages installed
+        missing = tblog.missing(tblog.targets(args.log))
+    except ValueError as e:
+        missing = str(e)
+    if missing:
+        cli.fail("--log", missing)
     if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
         cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
                  "'org/name'")  # fmt: skip
@@ -424,7 +427,13 @@ def setup(argv: list[str] | None) -> "Run":
             cli.fail(e.flag, str(e))
     if args.resume and not args.profile and rank0:
         rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
+    args.out = args.out or os.path.join(
+        "runs",
+        time.strftime("%Y%m%d-%H%M%S")
+        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
+    )
     rank, device = init_processes(args, distributed)
+    rundir.check_shared_folder(args, rank)  # every rank sees rank 0's --out: else exit 2
     world = load_world(args, device)
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
         cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
@@ -434,6 +443,13 @@ def setup(argv: list[str] | None) -> "Run":
         cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {len(world.eval_prompts)}"
                  f" held-out prompts × --eval-seeds {args.eval_seeds} is not a multiple of "
                  f"{world_size} processes")  # fmt: skip
+    if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md); the models
+        # were built on the meta device and get their shards' weights once sharded (load_shards)
+        shard_models(world.shardable(), device, resolve_precision(args, device),
+                     load=world.load_shards)  # fmt: skip
+    elif distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
     scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
     for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
         try:  # a reward model missing (file, package, hub access) is bad input too
@@ -441,18 +457,8 @@ def setup(argv: list[str] | None) -> "Run":
         except (ImportError, OSError, ValueError) as e:
             cli.fail(flag, f"could not load a reward model: {e}")
     reward_fns = {n: scorers[n] for n in names}
-    if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md)
-        shard_models(world.shardable(), device, resolve_precision(args, device))
-    elif distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    args.out = args.out or os.path.join(
-        "runs",
-        time.strftime("%Y%m%d-%H%M%S")
-        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
-    )
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
                optimizer)  # fmt: skip
@@ -588,15 +594,20 @@ def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.
 
 
 def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
-    """trajectory_scores of the first --gain-frac of the groups (under bf16 autocast with
-    --score-precision bf16), every rank's."""
-    m = cli.scored_groups(run.args.gain_frac, run.args.prompts, run.world_size) // run.world_size
-    m *= run.args.group_size  # this rank's scored images
-    bf16 = run.args.score_precision == "bf16"
+    """trajectory_scores of --gain-frac of the epoch's groups (cli.scored_groups: the same groups
+    on any number of ranks; a rank may score fewer than another, or none), under bf16 autocast
+    with --score-precision bf16; every rank's, in the groups' order."""
+    args, G = run.args, run.args.group_size
+    share = lambda r: cli.scored_share(args.gain_frac, args.prompts, run.world_size, r)  # noqa: E731
+    n = torch.tensor([g * G + j for g in share(run.rank) for j in range(G)], dtype=torch.long)
+    scores = final.new_zeros(len(final), args.steps + 1, 0)  # none of this rank's groups scored
+    bf16 = args.score_precision == "bf16"
     with run.observe("steps"), torch.autocast(run.world.device.type, torch.bfloat16, enabled=bf16):
-        scores = trajectory_scores(run.reward_fns, run.world.decode, preds[:, :m], final[:, :m],
-                                   per_image[:m])  # fmt: skip
-    return gather(scores)
+        if len(n):
+            mine = preds[:, n.to(preds.device)], final[:, n.to(final.device)]
+            scores = trajectory_scores(run.reward_fns, run.world.decode, *mine,
+                                       [per_image[i] for i in n])  # fmt: skip
+    return distributed.gather_uneven(scores, [len(share(r)) * G for r in range(run.world_size)])
 
 
 def weights(run: "Run", step_scores, gains_ema, metrics: dict):
@@ -834,8 +845,8 @@ def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, l
             os.path.join(args.out, "W.png"), W, profiles, run.lam, run.names, run.sigmas.cpu(),
             f"epoch {epoch}  ·  --weighting {args.weighting}",
         )  # fmt: skip
-        if run.tensorboard:
-            run.tensorboard.epoch(m, args.out)
+        if run.views:
+            run.views.epoch(m, args.out)
         if saving:
             gains_list = gains_ema.tolist() if gains_ema is not None else None
             state = {"opt_steps": opt_steps, "gains_ema": gains_list}
@@ -891,6 +902,10 @@ def profile(run: "Run") -> None:
 def main(argv: list[str] | None = None, observe=nullcontext) -> None:
     """The run of `argv`'s flags. `observe` (name → context manager) is a benchmark's hook around
     each phase and step (Run.observe); by default it does nothing."""
+    if cli.given(argv, ["export"]):  # not a run: a finished run's LoRA for diffusers
+        from plumbing import export
+
+        return export.main(sys.argv[1:] if argv is None else argv)
     run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
     run.observe = observe
     if run.args.profile:  # before training: where is each reward informative?
@@ -900,9 +915,10 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
     with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1 naming the checkpoint
         evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
-        if args.log == "tensorboard" and run.rank == 0:
-            run.tensorboard = tblog.TensorBoard(args.out)
-            run.tensorboard.epoch(history[0], args.out, pictures=False)
+        distributed.start_training()  # collectives: RECAST_COLLECTIVE_TIMEOUT from here on
+        if tblog.targets(args.log) and run.rank == 0:  # TensorBoard, wandb: metrics.jsonl's views
+            run.views = tblog.Views(tblog.targets(args.log), args.out, dict(vars(args)))
+            run.views.epoch(history[0], args.out, pictures=False)
         stop = rundir.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
         for epoch in range(start, args.epochs + 1):
             m = {"epoch": epoch}
@@ -915,6 +931,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                 with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: no gains
                 with_steps = with_steps and (epoch - 1) % args.gain_every == 0
                 step_scores = score_steps(run, preds, final, per_image) if with_steps else None
+                if step_scores is not None:  # --gain-frac of --prompts, on any number of ranks
+                    m["groups/scored"] = step_scores.shape[-1] // G
                 final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
                 r = optimality(run, final)
                 W, gains_ema = weights(run, step_scores, gains_ema, m)
@@ -929,7 +947,11 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (§6)
             world.update_old(m["decay"])
             if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
-                held = {"W": W, **world.state_dict()}
+                # (--shard: each element of θ and θ_old lives on one rank only, in its shard, and
+                # gathering them would move the whole state every epoch: nothing to compare. What
+                # each rank computes for itself is W, from the gain EMA: those are compared.)
+                held = {"W": W, **world.state_dict()} if not args.shard else {"W": W} | (
+                    {"gains_ema": gains_ema} if gains_ema is not None else {})  # fmt: skip
                 m["dist/sha256"] = same_on_all_ranks(held, f"after epoch {epoch}")
             last = epoch == args.epochs or stop.agreed()  # 6. eval, log, pictures, checkpoint
             if epoch % args.eval_every == 0 or last:
@@ -943,8 +965,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                 break
     if run.rank == 0 and not stop.signum:
         rundir.write_summary(args, history, evals.base, names, run.log)
-    if run.tensorboard:
-        run.tensorboard.close()
+    if run.views:
+        run.views.close()
     if dist.is_initialized():
         dist.barrier()  # until rank 0 has saved: once one rank exits, torchrun stops the others
         dist.destroy_process_group()

@@ -918,7 +918,7 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--train-frac", "1.5"], "--train-frac"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
-    (["--lambda", "0.4,0.2,0.2,0.2", "--log", "wandb"], "--log"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--log", "mlflow"], "--log"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--precision", "fp16"], "--precision"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--precision", "bf16"], "--precision"),  # the toy world
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "beauty"], "--judges"),
@@ -1587,7 +1587,7 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     err = recast_exit(capsys, *base, "--rewards", "toy2", "--lambda", "1,1,1,1",
                       "--prompts-file", prompts_file)  # fmt: skip
     assert "error: --rewards" in err and "size, elongation, outline, texture score" in err
-    assert "(paper1)" in err  # the presets that suit a real model, not toy2
+    assert "(paper1, paper2, paper1-judges" in err  # the presets for a real model, not toy2
     for preset in ("toy3", "toy4"):
         err = recast_exit(capsys, *base, "--rewards", preset, "--lambda", "1,1,1,1",
                           "--prompts-file", prompts_file)  # fmt: skip
@@ -1611,6 +1611,20 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     judged = [*base, "--rewards", "pickscore", "--lambda", "1", "--judges", "aesthetic"]
     err = recast_exit(capsys, *judged, "--prompts-file", prompts_file)
     assert "error: --judges" in err and "RECAST_AESTHETIC_HEAD" in err
+    one = [*base, "--lambda", "1", "--prompts-file", prompts_file]
+    err = recast_exit(capsys, *one, "--rewards", "ocrscore")  # the rewards beyond CLIP are listed
+    assert all(n in err for n in ("ocr, vqa, imagereward, hpsv3", "paper2", "paper1-judges"))
+    monkeypatch.setenv("RECAST_OCR", str(tmp_path / "no-ocr-weights"))
+    for reward, variable in [
+        ("ocr", "RECAST_OCR"),
+        ("vqa", "RECAST_VQA"),
+        ("imagereward", "RECAST_IMAGEREWARD"),
+        ("hpsv3", "RECAST_HPSV3"),
+    ]:
+        if variable != "RECAST_OCR":
+            monkeypatch.delenv(variable)
+        err = recast_exit(capsys, *one, "--rewards", reward)
+        assert "error: --rewards" in err and variable in err, reward
     assert not os.path.exists(out)
 
 
@@ -1740,8 +1754,9 @@ def test_sd3_forwards_see_one_chunk_whatever_the_prompts(
 
 def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     """SD3's step-scoring defaults (the scoring study, docs/results.md): 4 prompt groups an epoch
-    (at least one per rank) under bf16, unless a flag is given; the toy world, uniform weighting
-    and a resumed run (its args.json) are left alone; --profile still scores every group."""
+    (on any number of ranks, spread over them) under bf16, unless a flag is given; the toy
+    world, uniform weighting and a resumed run (its args.json) are left alone; --profile still
+    scores every group."""
     import recast
     from plumbing import cli
     from worlds import sd3world
@@ -1760,9 +1775,11 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     assert resolved([], prompts=32, weighting="uniform") == (1.0, "fp32")
     assert resolved([], prompts=32, resume=True) == (1.0, "fp32")
     assert resolved([], prompts=32, profile=True) == (1.0, "bf16")
-    for prompts, ranks, groups in [(32, 1, 4), (8, 1, 4), (7, 1, 4), (12, 2, 4), (64, 8, 8)]:
-        frac = sd3world.scoring_defaults(prompts)["gain_frac"]
-        assert cli.scored_groups(frac, prompts, ranks) == groups, (prompts, ranks)
+    for prompts, ranks in [(32, 1), (8, 1), (7, 1), (12, 2), (64, 8), (16, 16)]:
+        frac = sd3world.scoring_defaults(prompts)["gain_frac"]  # 4 on any number of ranks
+        assert cli.scored_groups(frac, prompts) == 4, (prompts, ranks)
+        shares = [cli.scored_share(frac, prompts, ranks, r) for r in range(ranks)]
+        assert sum(map(len, shares)) == 4 and max(map(len, shares)) == -(-4 // ranks), shares
 
 
 def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp_path):
@@ -1781,6 +1798,43 @@ def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp
     run(sys.executable, script, *flags, "--score-precision", "bf16", "--out", str(out),
         env=reward_env)  # fmt: skip
     check_profile(out, ["pickscore", "clipscore", "aesthetic"], [0.5, 0.3, 0.2], 3, 4)
+
+
+BEYOND_CLIP = ["ocr", "vqa", "imagereward", "hpsv3"]  # rewards.py's rewards not on CLIP
+
+
+@pytest.fixture(scope="session")
+def quoted_prompts_file(tmp_path_factory):
+    """Prompts that quote the text to render, as `ocr` needs."""
+    path = tmp_path_factory.mktemp("quoted") / "prompts.txt"
+    words = ("OPEN", "CAFE", "EXIT", "TAXI")
+    path.write_text("".join(f'a {c} sign that says "{w}"\n' for c in ("red", "blue", "gold")
+                            for w in words))  # fmt: skip
+    return str(path)
+
+
+def test_sd3_profiles_and_trains_with_the_rewards_beyond_clip(
+    sd3_dir, quoted_prompts_file, reward_env, tmp_path
+):
+    """--profile, then one training epoch, on the tiny SD3 with ocr (its real weights), vqa,
+    imagereward and hpsv3 (tiny random models): each is profiled, trained on and evaluated."""
+    script, lam = os.path.join(HERE, "recast.py"), [0.4, 0.2, 0.2, 0.2]
+    flags = [
+        "--model", sd3_dir, "--rewards", ",".join(BEYOND_CLIP), "--lambda", "0.4,0.2,0.2,0.2",
+        "--prompts-file", quoted_prompts_file, "--prompts", "2", "--group-size", "2",
+        "--steps", "3", "--batch-size", "4", "--resolution", "32", "--device", "cpu",
+    ]  # fmt: skip
+    out = tmp_path / "profile"
+    said = run(sys.executable, script, *flags, "--profile", "--out", str(out), env=reward_env)
+    assert "4 images" in said.stdout and "wrote" in said.stdout
+    check_profile(out, BEYOND_CLIP, lam, 3, 4)
+    lines = recast_run(tmp_path / "run", *flags, "--epochs", "1", "--eval-seeds", "2",
+                       "--lora-rank", "4", "--lora-alpha", "8", env=reward_env)  # fmt: skip
+    assert [m["epoch"] for m in lines] == [0, 1]
+    for name in BEYOND_CLIP:
+        assert f"reward/{name}" in lines[1] and f"eval/{name}" in lines[0]
+        assert math.isfinite(lines[1][f"eval/{name}"])
+    assert torch.tensor(lines[1]["W"]).sum(1).tolist() == pytest.approx(lam, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1832,6 +1886,21 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
     change = [torch.cat([(w[k] - base[k[7:]].float()).flatten() for k in keys]) for w in last]
     assert change[1].norm() > 0.01
     assert (change[0] - change[1]).norm() / change[1].norm() < 5e-4
+
+
+@pytest.mark.slow
+def test_batch_normalisation_is_the_same_on_one_and_two_ranks(random_toy_model, tmp_path):
+    """--normalize batch pools each reward's spread over every rank's groups (the final scores
+    are gathered first): one epoch on 2 ranks gives 1 process's W, shares, |A| and loss, within
+    the torchrun test's tolerances (float summation order)."""
+    flags = ["--model", random_toy_model, *TOY, "--epochs", "1", "--normalize", "batch"]
+    two = recast_run(tmp_path / "two", *flags, ranks=2)
+    one = recast_run(tmp_path / "one", *flags)
+    a, b = two[1], one[1]
+    assert torch.allclose(torch.tensor(a["W"]), torch.tensor(b["W"]), atol=1e-5)
+    keys = [k for k in b if k.startswith(("reward/", "share/", "adv/"))] + ["loss"]
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
 
 
 def _desync_worker(rank: int, init_file: str, differ: bool, results):
@@ -1900,3 +1969,18 @@ def test_torchrun_profile_matches_one_process(random_toy_model, tmp_path):
     one = check_profile(tmp_path / "one", names, lam, 10, 16)
     assert torch.allclose(torch.tensor(two["W"]), torch.tensor(one["W"]), atol=1e-5)
     assert torch.allclose(torch.tensor(two["D"]), torch.tensor(one["D"]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_scored_groups_and_w_do_not_depend_on_the_number_of_ranks(random_toy_model, tmp_path):
+    """--gain-frac 0.25 of 8 prompts scores 2 groups an epoch on 1, 2 and 4 ranks, the same two
+    (the epoch's groups 0 and 4: on 4 ranks, ranks 1 and 3 score none), so W agrees within the
+    torchrun tolerance above, 1e-5 (the same images; sums in another order). Each rank used to
+    score max(1, round(--gain-frac × its prompts)): 4 groups on 4 ranks, and another W."""
+    flags = ["--model", random_toy_model, *TOY, "--prompts", "8", "--gain-frac", "0.25"]
+    runs = {n: recast_run(tmp_path / f"ranks{n}", *flags, ranks=n) for n in (1, 2, 4)}
+    for n, lines in runs.items():
+        assert [m["groups/scored"] for m in lines[1:]] == [2, 2], n
+        for a, b in zip(lines[1:], runs[1][1:], strict=True):
+            assert torch.allclose(torch.tensor(a["W"]), torch.tensor(b["W"]), atol=1e-5), n
+            assert torch.allclose(torch.tensor(a["D"]), torch.tensor(b["D"]), atol=1e-5), n

@@ -18,7 +18,8 @@ tokenizers) or from a pipeline folder's configurations, and the training flags d
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
 `torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py);
-with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards).
+with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards);
+above 8, nodes of 8 GPUs (GPUS_PER_NODE), each sharding the models among its own (HSDP).
 
 Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
 counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
@@ -33,7 +34,13 @@ fused AdamW does not run on meta tensors):
 - update: one micro-batch of nft_update: world.v of the policy (with grad, through LoRA), the old
   and the reference, kernels.nft_loss, backward, gradient clipping and the AdamW step, with the
   optimizer's state already made (a later step's peak);
-- eval: recast.evaluate on the last --batch-size held-out images, the earlier ones held.
+- eval: recast.evaluate on the last --batch-size held-out images, the earlier ones held;
+- save: recast.save_epoch's checkpoint (under --shard, its gather of the largest trained tensor).
+Before them, loading (load_phase, counted from the models' sizes, not traced): the GPU's peak
+while the models are loaded (every model whole without --shard; under --shard the rank's shards,
+one broadcast tensor, the VAE and reward models), and the host memory of rank 0's node (without
+--shard every rank reads the pipeline whole; under --shard rank 0 alone reads one model at a
+time), printed under the verdict. The verdict names the phase whose peak is the largest.
 Tensors the loop keeps from one phase into the next (x0, x̂0, scores, the base model's eval images)
 are carried, as recast.main keeps them. Per phase it prints the peak allocated GiB, split into
 parameters (and buffers), gradients, optimizer state, data carried from earlier phases,
@@ -503,7 +510,8 @@ def epoch(run, marks: Marks, bar) -> None:
     with marks.phase("recast"):  # recast.score_steps: its autocast takes no meta tensors
         step_scores = None
         if args.weighting in ("recast", "reversed"):
-            m = cli.scored_groups(args.gain_frac, args.prompts, ws) // ws * G
+            shares = [cli.scored_share(args.gain_frac, args.prompts, ws, r) for r in range(ws)]
+            m = max(map(len, shares)) * G  # the rank that scores the most groups
             precision = run["form"].autocasting() if args.score_precision == "bf16" else None
             with precision or contextlib.nullcontext():
                 step_scores = recast.trajectory_scores(
@@ -528,7 +536,24 @@ def epoch(run, marks: Marks, bar) -> None:
         scores, images = recast.evaluate(world, run["scorers"], eval_prompts, noise, sigmas, chunk)
         del scores, images, images_before, noise
     bar.update()
+    with marks.phase("save"):  # recast.save_epoch, the epoch's data still held
+        saved(run, marks)
     del base_images, x0, preds, final, step_scores, r, W
+
+
+def saved(run, marks: Marks) -> None:
+    """recast.save_epoch's GPU memory. Under --shard each sharded tensor of the adapters and of
+    AdamW's state is gathered whole, one at a time, and copied to the host (world.state_dict;
+    distributed.optimizer_state, with cpu_offload): counted as the largest trained tensor, fp32,
+    twice (the all-gather's output and its unpadded copy). Unsharded the checkpoint's copies are
+    made on the host: nothing more on the GPU. The host holds the whole state on rank 0 (twice
+    while it is serialised), not planned here."""
+    if not run["args"].shard or run["world"].device.type != "meta":  # the CPU check: not run
+        return
+    largest = max(p.numel() for p in run["params"])
+    with marks.making("temporaries"):
+        whole = [torch.empty(largest, device="meta") for _ in range(2)]
+    del whole
 
 
 def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
@@ -611,20 +636,68 @@ def prompt_files(args, tmp: Path, n_eval: int) -> None:
         args.eval_prompts_file = str(path)
 
 
+# a node's ranks (at most --world-size): the host memory of loading is a node's, and above it
+# --shard shards within each node and replicates across nodes (HSDP, distributed.shard_mesh)
+GPUS_PER_NODE = 8
+
+
+def _bytes(module: torch.nn.Module, share=None) -> float:
+    """A model's parameters and buffers, whole or (`share`) this rank's shards of them."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() * (share(t) if share else 1) for t in tensors)
+
+
+def load_phase(run: dict, own) -> dict:
+    """Loading (recast.setup, DiffusersWorld), counted from the models' sizes (not traced): its
+    GPU peak on one rank as a phase {"peak", "parameters", the other kinds 0}, and the host memory
+    it takes, "host_rank0", "host_rank" (any other rank) and "host_node" (rank 0's node: up to
+    GPUS_PER_NODE ranks), bytes. Without --shard every rank reads the pipeline whole onto its host
+    (from_pretrained), moves it to its GPU, then reads each reward model and moves it: on the GPU
+    every model whole. Under --shard the transformer and text encoders are built on meta and
+    sharded; each in turn is read whole by rank 0 alone and broadcast tensor by tensor (each rank
+    receives one tensor whole at a time on its GPU and keeps its shard); then the VAE (read with the
+    pipeline, on the host until then) and the reward models go to the GPU."""
+    world, ranks = run["world"], own.world_size
+    shardable = run["shardable"]
+    models = [m for m in run["held"] if isinstance(m, torch.nn.Module)]
+    tensors = [t for t in run["held"] if isinstance(t, torch.Tensor)]
+    vae = world.pipe.vae
+    rewards = [m for m in models if m is not vae and all(m is not s for s in shardable)]
+    reward_bytes = [_bytes(m) for m in rewards] + [t.numel() * t.element_size() for t in tensors]
+    largest_reward = max(reward_bytes, default=0)
+    if run["args"].shard:
+        share = lambda t: shard_share(t, min(ranks, GPUS_PER_NODE))  # noqa: E731
+        shards = sum(_bytes(m, share) for m in shardable)
+        one = max(t.numel() * t.element_size() for m in shardable for t in m.parameters())
+        gpu = max(shards + one, shards + _bytes(vae) + sum(reward_bytes))
+        rank0 = _bytes(vae) + max(_bytes(m) for m in shardable)
+        other = max(_bytes(vae), largest_reward)
+    else:
+        gpu = sum(_bytes(m) for m in models) + sum(reward_bytes[len(rewards) :])
+        rank0 = other = max(sum(_bytes(m) for m in shardable) + _bytes(vae), largest_reward)
+    local = min(ranks, GPUS_PER_NODE)
+    return {"peak": gpu, "parameters": gpu,
+            **{k: 0 for k in memtrace.KINDS if k != "parameters"},
+            "host_rank0": rank0, "host_rank": other,
+            "host_node": rank0 + (local - 1) * other}  # fmt: skip
+
+
 def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "plan") -> dict:
     """{phase: {"peak": bytes, kind: bytes at the peak}} of one epoch on rank 0, traced on meta
-    in a CUDA GPU's form (or, `cpu_form`, in the CPU's: fp32, its attention, exact sizes)."""
+    in a CUDA GPU's form (or, `cpu_form`, in the CPU's: fp32, its attention, exact sizes), after
+    loading's (load_phase, counted, not traced)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = make_run(own, args, "meta", c, tmp, cpu_form)
+    load = load_phase(run, own)
     tracker = memtrace.StorageTracker(
         "meta", 1 if cpu_form else memtrace.CUDA_ROUND, conv_workspace=not cpu_form
     )  # cuDNN's: the GPU's form
     share = None
-    if args.shard:  # FSDP2 on `own.world_size` ranks, emulated (Shards)
+    if args.shard:  # FSDP2 on a node's ranks (all of --world-size up to 8), emulated (Shards)
         dtype = None if cpu_form else torch.bfloat16  # its MixedPrecisionPolicy's param_dtype
-        shards = Shards(run["shardable"], own.world_size, tracker, dtype, prefetch=not cpu_form,
-                        gloo=cpu_form)  # fmt: skip
+        shards = Shards(run["shardable"], min(own.world_size, GPUS_PER_NODE), tracker, dtype,
+                        prefetch=not cpu_form, gloo=cpu_form)  # fmt: skip
         share = shards.share
     for held in run["held"]:
         if isinstance(held, torch.nn.Module):
@@ -642,7 +715,7 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
             epoch(run, marks, bar)
     for h in hooks:
         h.remove()
-    return marks.peaks
+    return {"load": load, **marks.peaks}
 
 
 def _sharded_worker(rank: int, own, args, c: dict, tmp: Path, out) -> None:
@@ -781,6 +854,11 @@ def lines(report: dict) -> list[str]:
           f"cuBLAS workspaces: {v['needed_gib']:.2f} GiB of {v['gpu_gib']:g}",
           f"verdict: {'FITS' if v['fits'] else 'DOES NOT FIT'} in {v['gpu_gib']:g} GiB, margin "
           f"{v['margin_gib']:+.2f} GiB"]  # fmt: skip
+    if "load" in report["peaks"]:
+        x, local = report["peaks"]["load"], min(report["world_size"], GPUS_PER_NODE)
+        L.append(f"host memory while loading: {x['host_node'] / GIB:.2f} GiB on rank 0's node of "
+                 f"{local} ranks (rank 0 {x['host_rank0'] / GIB:.2f}, each other rank "
+                 f"{x['host_rank'] / GIB:.2f})")  # fmt: skip
     for alt in report.get("alternatives", []):
         w = alt["verdict"]
         fits = "fits" if w["fits"] else "does not fit"

@@ -18,7 +18,8 @@
   and Qwen-Image's text encoder.
 - `tiny_flux_pipeline`, `tiny_flux2_klein_pipeline` (with `qwen3_tokenizer`, Qwen3's chat
   template), `tiny_qwenimage_pipeline`: a tiny pipeline of each other diffusers family, saved to a
-  folder (the family parts' `tiny()`); `tiny_reward_models`: tiny CLIP rewards and aesthetic head.
+  folder (the family parts' `tiny()`); `tiny_reward_models`: tiny CLIP rewards, aesthetic head,
+  VLM (vqa), ImageReward and HPSv3.
 
 A leaf: imports torch, diffusers and transformers only (lazily), never the training script.
 """
@@ -27,6 +28,8 @@ import copy
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -310,6 +313,22 @@ def tiny_sd3_pipeline(tokenizer):
 # ---------------------------------------------------------------------------------------------
 # Tokenizers (small, generated; real sequence lengths) and prompts
 # ---------------------------------------------------------------------------------------------
+def _saved(folder, save) -> None:
+    """save(tmp) writes files into a fresh folder beside them, each then renamed into `folder`
+    (os.replace): a process that reads `folder` while another writes the same tokenizer into it
+    reads each file whole, the old or the new (equal), never one being written. Processes that
+    build one pipeline in a shared folder (memory_plan.py's gloo ranks) read a vocab.json that the
+    other had just truncated: "Error while initializing BPE: EOF while parsing a value"."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".writing-", dir=folder)
+    try:
+        save(tmp)
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def clip_tokenizer(folder):
     """A CLIP tokenizer with one token per byte (and per end-of-word byte), no merges, 77 tokens;
     saved to `folder` and loaded from it."""
@@ -320,11 +339,14 @@ def clip_tokenizer(folder):
     chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
     vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": 256 + i for i, c in enumerate(chars)}
     vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "vocab.json"), "w") as f:
-        json.dump(vocab, f)
-    with open(os.path.join(folder, "merges.txt"), "w") as f:
-        f.write("#version: 0.2\n")
+
+    def save(tmp: str) -> None:
+        with open(os.path.join(tmp, "vocab.json"), "w") as f:
+            json.dump(vocab, f)
+        with open(os.path.join(tmp, "merges.txt"), "w") as f:
+            f.write("#version: 0.2\n")
+
+    _saved(folder, save)
     return CLIPTokenizer.from_pretrained(folder, model_max_length=77)
 
 
@@ -335,7 +357,7 @@ def t5_tokenizer(folder):
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)]
     pieces += [(chr(c), -2.0) for c in range(33, 127)]
     tok = T5TokenizerFast(vocab=pieces, extra_ids=0)
-    tok.save_pretrained(folder)
+    _saved(folder, tok.save_pretrained)
     return tok
 
 
@@ -495,7 +517,7 @@ def qwen3_tokenizer(folder):
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], errors="replace")
     tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:]})
     tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.save_pretrained(folder)
+    _saved(folder, tok.save_pretrained)
     return Qwen2Tokenizer.from_pretrained(folder)
 
 
@@ -629,9 +651,11 @@ def aesthetic_head(widths: list[int], real: bool = False) -> dict[str, torch.Ten
 
 
 def tiny_reward_models(root) -> dict[str, str]:
-    """A tiny random CLIP (with a clip_tokenizer processor, 32 px images) and a tiny LAION-style
-    aesthetic head saved under `root`; returns the environment variables that point every CLIP
-    reward of rewards.py at them. Random weights from the global RNG."""
+    """A tiny random CLIP (with a clip_tokenizer processor, 32 px images), a tiny LAION-style
+    aesthetic head, a tiny Qwen2.5-VL (`tiny_vlm`, for `vqa`), a tiny ImageReward and a tiny HPSv3
+    saved under `root`; returns the environment variables that point rewards.py's model rewards
+    at them (`ocr` runs its real weights, from their package). Random weights from the global RNG
+    (the VLM's, ImageReward's and HPSv3's from their seeds)."""
     from safetensors.torch import save_file
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
@@ -653,6 +677,136 @@ def tiny_reward_models(root) -> dict[str, str]:
     return {
         "RECAST_PICKSCORE": clip, "RECAST_PICKSCORE_PROCESSOR": clip, "RECAST_CLIPSCORE": clip,
         "RECAST_AESTHETIC": clip, "RECAST_AESTHETIC_HEAD": str(root / "head.safetensors"),
+        "RECAST_VQA": tiny_vlm(root / "vlm"), "RECAST_IMAGEREWARD": tiny_imagereward(root / "ir"),
+        **tiny_hpsv3(root / "hpsv3"),
+    }  # fmt: skip
+
+
+TINY_IMAGEREWARD_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                          *"abcdefghijklmnopqrstuvwxyz0123456789"]  # fmt: skip
+TINY_IMAGEREWARD_MED = dict(
+    architectures=["BertModel"],
+    hidden_act="gelu",
+    hidden_size=32,
+    intermediate_size=64,
+    layer_norm_eps=1e-12,
+    max_position_embeddings=64,
+    model_type="bert",
+    num_attention_heads=2,
+    num_hidden_layers=1,
+    pad_token_id=0,
+    type_vocab_size=2,
+    vocab_size=len(TINY_IMAGEREWARD_VOCAB) + 2,
+    encoder_width=32,
+    add_cross_attention=True,
+)  # fmt: skip  (the vocabulary and BLIP's [DEC] and [ENC])
+
+
+def tiny_imagereward_parts(seed: int = 0):
+    """The tiny ImageReward's parts, built with transformers' BLIP classes: (BlipVisionModel,
+    BlipTextModel, the MLP head's state dict). Same seed, same weights; the caller's random
+    state is left as it was."""
+    from transformers import BlipTextConfig, BlipVisionConfig
+    from transformers.models.blip.modeling_blip import BlipVisionModel
+    from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vision = BlipVisionModel(BlipVisionConfig(
+            hidden_size=128, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
+            image_size=32, patch_size=8, layer_norm_eps=1e-6,
+        ))  # fmt: skip
+        text = BlipTextModel(BlipTextConfig(
+            vocab_size=TINY_IMAGEREWARD_MED["vocab_size"], hidden_size=32, encoder_hidden_size=128,
+            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=64, layer_norm_eps=1e-12, pad_token_id=0,
+            bos_token_id=None, sep_token_id=None,
+        ), add_pooling_layer=False)  # fmt: skip
+        head = aesthetic_head([32, 16, 8, 6, 4, 1])  # ImageReward's: 768 → 1024 → 128 → 64 → 16 → 1
+    return vision.eval(), text.eval(), head
+
+
+def tiny_imagereward(folder: str | os.PathLike, seed: int = 0) -> str:
+    """A tiny random ImageReward saved into `folder` as released (ImageReward.pt with BLIP's own
+    parameter names, med_config.json) beside a BERT-style vocab.txt: `tiny_imagereward_parts`
+    (a 1-layer BLIP ViT 128 wide on 32 px images of 8 px patches, a 1-layer text encoder with
+    cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(TINY_IMAGEREWARD_VOCAB) + "\n")
+    (folder / "med_config.json").write_text(json.dumps(TINY_IMAGEREWARD_MED, indent=2))
+    vision, text, head = tiny_imagereward_parts(seed)
+    blip_names = [  # transformers' BLIP names → BLIP's (ImageReward's checkpoint)
+        ("embeddings.patch_embedding.", "patch_embed.proj."),
+        ("embeddings.position_embedding", "pos_embed"), ("embeddings.class_embedding", "cls_token"),
+        ("encoder.layers.", "blocks."), (".layer_norm1.", ".norm1."), (".layer_norm2.", ".norm2."),
+        (".self_attn.projection.", ".attn.proj."), (".self_attn.qkv.", ".attn.qkv."),
+        ("post_layernorm.", "norm."),
+    ]  # fmt: skip
+    state = {}
+    for key, value in vision.state_dict().items():
+        for hf, blip in blip_names:
+            key = key.replace(hf, blip)
+        state[f"blip.visual_encoder.{key}"] = value
+    state |= {f"blip.text_encoder.{k}": v for k, v in text.state_dict().items()}
+    state |= {f"mlp.{k}": v for k, v in head.items()}
+    torch.save(state, folder / "ImageReward.pt")
+    return str(folder)
+
+
+TINY_HPSV3_PROMPT = (  # a stand-in for hpsv3's dataset/data_collator_qwen.py: its two strings
+    'INSTRUCTION = """\nRate this image from 0 to 10 for the prompt: {text_prompt}\n"""\n'
+    'prompt_with_special_token = """\nRating: <|Reward|>\n\nEND\n"""\n'
+)
+
+
+def tiny_hpsv3(folder: str | os.PathLike, seed: int = 0) -> dict[str, str]:
+    """A tiny random HPSv3 under `folder`: a base Qwen2-VL folder (`tiny_vlm`'s tokenizer, chat
+    template and image processor with a 2-layer, 32-wide Qwen2-VL), HPSv3.safetensors as HPSv3
+    saved it (transformers 4.45's names: visual.*, model.*, lm_head.*, with one more token,
+    <|Reward|>, and a reward head rm_head.{0,3,5}: 32 → 16 → 8 → (μ, σ), HPSv3's is 3584 →
+    1024 → 16 → 2) and a stand-in prompt file. Returns the environment variables for `hpsv3`."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    folder = Path(folder)
+    base = tiny_vlm(folder / "base", seed)  # its tokenizer, image processor and template
+    vocab = AutoTokenizer.from_pretrained(base).get_vocab()
+    text = dict(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]},
+        eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], bos_token_id=None,
+    )  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+        model.save_pretrained(base)  # the base model's own weights, unused by the reward
+        model.resize_token_embeddings(len(vocab) + 1, mean_resizing=False)  # <|Reward|>, as HPSv3
+        head = {"0.weight": torch.randn(16, 32) / 6, "0.bias": torch.randn(16),
+                "3.weight": torch.randn(8, 16) / 4, "3.bias": torch.randn(8),
+                "5.weight": torch.randn(2, 8) / 3, "5.bias": torch.randn(2)}  # fmt: skip
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("model.visual."):
+            key = key.removeprefix("model.")
+        elif key.startswith("model.language_model."):
+            key = "model." + key.removeprefix("model.language_model.")
+        state[key] = value.contiguous()
+    state |= {f"rm_head.{k}": v for k, v in head.items()}
+    save_file(state, folder / "HPSv3.safetensors")
+    (folder / "data_collator_qwen.py").write_text(TINY_HPSV3_PROMPT)
+    return {
+        "RECAST_HPSV3": str(folder / "HPSv3.safetensors"), "RECAST_HPSV3_BASE": base,
+        "RECAST_HPSV3_PROMPT": str(folder / "data_collator_qwen.py"),
     }  # fmt: skip
 
 

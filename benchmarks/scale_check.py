@@ -47,7 +47,9 @@ What it does
    throughput measured on this machine (bf16 for the transformer and text encoders under
    autocast, TF32 for the fp32 VAE's convolutions, fp32 for the reward models), and measured ÷
    modelled per phase. `--cost-model` prints it alone (no device, no models built), with
-   ReCAST's modelled share for several --gain-frac / --gain-every.
+   ReCAST's modelled share for several --gain-frac / --gain-every, and --shard's communication
+   on one node of 8 GPUs (NVLink) and on 4 nodes of 8 (InfiniBand between them: HSDP's mesh
+   against a flat one).
 Writes OUT/scale_check.md: the report in markdown, and every figure again in a ```json block at
 its end, rewritten after every stage (a check stopped from outside leaves a partial report that
 says so). Run folders and models live in a temporary folder, removed at the end. On the GPU the
@@ -385,7 +387,7 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     text = cf["text"] if "text" in cf else cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
     from plumbing import cli
 
-    scored_groups = cli.scored_groups(r["gain_frac"], P, 1)
+    scored_groups = cli.scored_groups(r["gain_frac"], P)
     if amortised:
         share = 1 / r["gain_every"]
     else:
@@ -1131,7 +1133,7 @@ def print_cost_model() -> None:
           "prompts, no eval):")  # fmt: skip
     print("  --gain-frac  groups --gain-every --score-precision  FLOP share  time share at peak")
     for x in recast_shares(cf, r512):
-        groups = cli.scored_groups(x["gain_frac"], r512["prompts"], 1)
+        groups = cli.scored_groups(x["gain_frac"], r512["prompts"])
         print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
               f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
@@ -1241,7 +1243,12 @@ def print_family_costs(c: dict, fams: dict, r512: dict, r1024: dict) -> None:
 # each forward and again for its backward, and each text encoder per encode call; only the LoRA
 # gradients (fp32) are reduce-scattered (the base weights are frozen)
 NVLINK_BYTES_S = 450e9  # per direction per GPU, H100/H200 SXM (NVLink 4: 900 GB/s both ways)
-SHARD_RANKS = 8
+# between nodes: 4 × 400 Gb/s InfiniBand NDR per node of 8 GPUs, per direction (200 GB/s a node),
+# which a collective over every GPU of the node shares: 25 GB/s a GPU
+NODE_NETWORK_BYTES_S = 4 * 400e9 / 8
+NETWORK_BYTES_S = NODE_NETWORK_BYTES_S / 8
+SHARD_RANKS = 8  # GPUs of a node
+SHARD_NODES = 4  # the several-node case of the table
 PARTS = {"SD3.5-Medium": "sd3world", "FLUX.1-dev": "fluxworld", "FLUX.1-schnell": "fluxworld",
          "FLUX.2-klein 4B": "flux2world", "Qwen-Image": "qwenimageworld"}  # fmt: skip
 
@@ -1268,18 +1275,32 @@ def lora_params(c: dict, family: str, rank: int = 32) -> float:
     return float(sum(rank * (mods[n].in_features + mods[n].out_features) for n in names))
 
 
-def shard_costs(c: dict, f: dict, r: dict, family: str, ranks: int = SHARD_RANKS) -> dict:
+def shard_costs(c: dict, f: dict, r: dict, family: str, ranks: int = SHARD_RANKS,
+                nodes: int = 1, hsdp: bool = True) -> dict:  # fmt: skip
     """One epoch of run `r` (the one-GPU command's work split over `ranks` GPUs) under --shard:
     per rank, the bytes all-gathered and reduce-scattered and their seconds on NVLink, beside the
     compute seconds of the cost model (data-sheet peaks); and what is not hidden behind compute.
     FSDP2 gathers layer i+1 while layer i computes (forward) and layer i-1 while i's backward
     runs, and reduce-scatters i's gradients during i-1's backward, so a forward's gathers hide
-    behind its compute when they take less time: exposed = max(0, gather − compute) per forward."""
+    behind its compute when they take less time: exposed = max(0, gather − compute) per forward.
+
+    `nodes` > 1: `nodes` nodes of `ranks` GPUs running `nodes` times the prompts and --batch-size
+    (each GPU's work as on one node). `hsdp` (recast.py's mesh on several nodes): each node shards
+    and gathers on its NVLink as one node does, and the nodes all-reduce the LoRA gradients' node
+    shards between them on the network (2 (nodes−1)/nodes of 1/ranks of them per GPU, at
+    NETWORK_BYTES_S); flat (one mesh over every GPU): each GPU keeps 1/(nodes·ranks) and every
+    gather crosses the network, whose share of a node's links bounds a ring over the nodes."""
     p = family_params(c, family)
     peaks = peak_rates("H100/H200 SXM")
+    if nodes > 1:  # each GPU's work as on one node
+        r = {**r, "prompts": r["prompts"] * nodes, "batch_size": r["batch_size"] * nodes}
+    group = ranks if hsdp else ranks * nodes  # the GPUs that shard a model among them
+    link = NVLINK_BYTES_S if group <= ranks else NETWORK_BYTES_S  # a gather's slowest link
+    replicas = nodes if hsdp else 1
+    ranks = ranks * nodes  # every GPU: the work splits over all of them
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     fwd, bwd = f[f"transformer_fwd@{res}"], f[f"transformer_bwd@{res}"]
-    share = (ranks - 1) / ranks  # of every gathered byte, what comes from the other ranks
+    share = (group - 1) / group  # of every gathered byte, what comes from the other ranks
     tr_bytes, text_bytes = 2 * p["transformer"] * 1e9, 2 * p["text"] * 1e9
     lora_bytes = 4 * lora_params(c, family)
     images = P * G // ranks  # this rank's rollout, in sampler calls of --batch-size images
@@ -1293,7 +1314,9 @@ def shard_costs(c: dict, f: dict, r: dict, family: str, ranks: int = SHARD_RANKS
     encodes = -(-(P // ranks) // chunk) + -(-P // chunk)  # rollout's share, the update's all
     gathered = share * (tr_bytes * (calls + micro * (passes + 1)) + text_bytes * encodes)
     scattered = share * lora_bytes * micro / r.get("grad_accum", 1)
-    gather_s = share * tr_bytes / NVLINK_BYTES_S  # one whole transformer
+    # HSDP: the replicas all-reduce each GPU's reduce-scattered shard (ring: 2 (n−1)/n of it)
+    network = 2 * (replicas - 1) / replicas * lora_bytes / group * micro / r.get("grad_accum", 1)
+    gather_s = share * tr_bytes / link  # one whole transformer
     rate = peaks["bf16"]
     ckpt = fwd * bool(r["grad_checkpointing"])
     exposed = (calls * max(0.0, gather_s - per_call * fwd / rate)
@@ -1301,8 +1324,9 @@ def shard_costs(c: dict, f: dict, r: dict, family: str, ranks: int = SHARD_RANKS
                + micro * max(0.0, gather_s - local * (bwd + ckpt) / rate))  # fmt: skip
     compute = sum(modelled_seconds(phase_flops(f, {**r, "eval": False}, amortised=True),
                                    peaks).values()) / ranks  # fmt: skip
-    comm = (gathered + scattered) / NVLINK_BYTES_S
+    comm = (gathered + scattered) / link + network / NETWORK_BYTES_S
     return {"gathered_gb": gathered / 1e9, "scattered_gb": scattered / 1e9, "comm_s": comm,
+            "network_gb": (network + (gathered + scattered) * (link == NETWORK_BYTES_S)) / 1e9,
             "compute_s": compute, "exposed_s": exposed,
             "exposed_share": exposed / (compute + exposed)}  # fmt: skip
 
@@ -1324,6 +1348,24 @@ def print_shard_costs(c: dict, fams: dict, r512: dict, r1024: dict) -> None:
             print(f"  {family:<16} {r['resolution']:>5} {x['gathered_gb']:>9.0f} "
                   f"{x['scattered_gb']:>9.2f} {x['comm_s']:>7.1f} {x['compute_s']:>8.1f} "
                   f"{x['exposed_s']:>8.1f} {x['exposed_share']:>8.1%}")  # fmt: skip
+    print(f"--shard on {SHARD_NODES} nodes of {SHARD_RANKS} GPUs, modelled: each GPU's work as on "
+          f"one node ({SHARD_NODES}× the prompts and --batch-size); between nodes "
+          f"{NODE_NETWORK_BYTES_S / 1e9:.0f} GB/s a node (4 × 400 Gb/s InfiniBand, one direction), "
+          f"{NETWORK_BYTES_S / 1e9:.0f} GB/s a GPU; HSDP (recast.py's mesh: shard within a node, "
+          "replicate across nodes) against one flat mesh over every GPU; per GPU, seconds of an "
+          "epoch")  # fmt: skip
+    print(f"  {'family':<16} {'px':>5} {'1 node':>8} {'HSDP':>8} {'network':>8} {'flat':>8} "
+          f"{'network':>8}")  # fmt: skip
+    print(f"  {'':<16} {'':>5} {'exposed':>8} {'exposed':>8} {'GB':>8} {'exposed':>8} "
+          f"{'GB':>8}")  # fmt: skip
+    for family in FAMILY_NAMES:
+        for r in (r512, r1024):
+            one = shard_costs(c, fams[family], r, family)
+            hsdp = shard_costs(c, fams[family], r, family, nodes=SHARD_NODES)
+            flat = shard_costs(c, fams[family], r, family, nodes=SHARD_NODES, hsdp=False)
+            print(f"  {family:<16} {r['resolution']:>5} {one['exposed_s']:>8.1f} "
+                  f"{hsdp['exposed_s']:>8.1f} {hsdp['network_gb']:>8.2f} "
+                  f"{flat['exposed_s']:>8.1f} {flat['network_gb']:>8.0f}")  # fmt: skip
 
 
 def config_params(c: dict) -> dict:

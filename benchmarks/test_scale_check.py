@@ -243,3 +243,32 @@ def test_shard_costs_count_the_gathers_of_each_forward(monkeypatch):
                                            + micro * max(0, gather - 4e12 / rate))  # fmt: skip
     wider = sc.shard_costs({}, cf, {**r, "batch_size": 64}, "FLUX.2-klein 4B", ranks=8)
     assert wider["gathered_gb"] < x["gathered_gb"] and wider["exposed_s"] <= x["exposed_s"]
+
+
+def test_shard_costs_on_four_nodes_keep_the_gathers_on_each_node_under_hsdp(monkeypatch):
+    """4 nodes of 8, each GPU with one node's work: under HSDP (recast.py's mesh on several nodes)
+    a GPU gathers the transformer from its node's 8 on NVLink as on one node, and only the LoRA
+    gradients' node shards cross the network (an all-reduce between the 4 replicas: 2·3/4 of 1/8
+    of them per step, at NETWORK_BYTES_S); a flat mesh over 32 GPUs gathers 31/32 of every weight
+    at the network's share of a GPU, 18× slower than NVLink, and its gathers no longer hide."""
+    monkeypatch.setattr(sc, "family_params", lambda c, fam: {"transformer": 1.0, "text": 0.0})
+    monkeypatch.setattr(sc, "lora_params", lambda c, fam: 1e7)
+    cf = {"transformer_fwd@512": 1e12, "transformer_bwd@512": 2e12, "vae_decode@512": 1e11,
+          "text": 1e10, "clip_h_image": 1e11, "clip_h_text": 1e10, "clip_l14_image": 1e10,
+          "clip_l14_text": 1e9, "aesthetic_head": 0.0}  # fmt: skip
+    r = {**sc.FULL_RUN, "prompts": 32, "train_frac": 0.5, "gain_frac": 0.125, "gain_every": 1,
+         "score_precision": "bf16", "grad_checkpointing": False, "eval_images": 0}  # fmt: skip
+    one = sc.shard_costs({}, cf, r, "FLUX.2-klein 4B", ranks=8)
+    hsdp = sc.shard_costs({}, cf, r, "FLUX.2-klein 4B", ranks=8, nodes=4)
+    flat = sc.shard_costs({}, cf, r, "FLUX.2-klein 4B", ranks=8, nodes=4, hsdp=False)
+    micro = 80  # 4 × 1280 pairs in micro-batches of 4 × 16: as on one node
+    # the same micro-batches; the rollout samples a GPU's 32 images in one call of --batch-size 64
+    assert hsdp["gathered_gb"] == pytest.approx(one["gathered_gb"] - 7 / 8 * 2 * 10)
+    assert hsdp["exposed_s"] == pytest.approx(one["exposed_s"])
+    network = 2 * 3 / 4 * 4e7 / 8 * micro
+    assert hsdp["network_gb"] == pytest.approx(network / 1e9)
+    on_node = (hsdp["gathered_gb"] + hsdp["scattered_gb"]) * 1e9 / sc.NVLINK_BYTES_S
+    assert hsdp["comm_s"] == pytest.approx(on_node + network / sc.NETWORK_BYTES_S)
+    assert sc.NETWORK_BYTES_S == 4 * 400e9 / 8 / 8  # 4 × 400 Gb/s a node of 8 GPUs
+    assert flat["gathered_gb"] == pytest.approx(hsdp["gathered_gb"] * (31 / 32) / (7 / 8))
+    assert flat["comm_s"] > 10 * hsdp["comm_s"] and flat["exposed_s"] > 10 * hsdp["exposed_s"]

@@ -109,10 +109,24 @@ def fill_defaults(args, argv: list[str] | None, values: dict) -> dict:
     return chosen
 
 
-def scored_groups(gain_frac: float, prompts: int, world_size: int) -> int:
-    """Prompt groups whose step predictions are scored an epoch, all ranks together: the first
-    --gain-frac of each rank's groups, at least one per rank."""
-    return max(1, round(gain_frac * (prompts // world_size))) * world_size
+def scored_groups(gain_frac: float, prompts: int) -> int:
+    """Prompt groups whose step predictions are scored an epoch, all ranks together: --gain-frac
+    of --prompts, at least one. It depends on these two flags only, never on the number of ranks,
+    so W does not either (docs/models.md#sharded-runs---shard)."""
+    return max(1, round(gain_frac * prompts))
+
+
+def scored_share(gain_frac: float, prompts: int, world_size: int, rank: int) -> list[int]:
+    """The scored groups that `rank` holds, as indices among its own prompts // world_size groups
+    (rank r holds the epoch's groups r·B … r·B + B - 1, B = prompts // world_size). The m =
+    scored_groups groups are the epoch's groups ⌊i·prompts/m⌋, i < m: the same groups on any number
+    of ranks, spread evenly over them. When m does not divide over the ranks they score unequal
+    shares, one group apart (with fewer groups than ranks, some score none); recast.score_steps
+    gathers them in order, and an epoch's scoring takes as long as the largest, ⌈m / ranks⌉."""
+    m, per_rank = scored_groups(gain_frac, prompts), prompts // world_size
+    first = rank * per_rank
+    picked = (i * prompts // m for i in range(m))
+    return [g - first for g in picked if first <= g < first + per_rank]
 
 
 def check(args, world_size: int, resumable: set[str]) -> None:
@@ -147,7 +161,7 @@ def check(args, world_size: int, resumable: set[str]) -> None:
         if not 0 <= getattr(args, name) < math.inf:
             fail(flag_of(name), f"must be ≥ 0 and finite, got {getattr(args, name)}")
     if args.profile:  # it compares the groups that score_steps scores: at least 2
-        scored = scored_groups(args.gain_frac, args.prompts, world_size)
+        scored = scored_groups(args.gain_frac, args.prompts)
         if scored < 2:
             fail("--prompts", f"--profile compares prompt groups and would score {scored}: give "
                  "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip

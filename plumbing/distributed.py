@@ -20,30 +20,74 @@ from plumbing.checkpoints import newest, resume_command
 from plumbing.seeding import seed_all
 
 COLLECTIVE_TIMEOUT = 300  # seconds a rank waits inside one collective: see collective_timeout
+STARTUP_TIMEOUT = 1800  # the same until the loop starts (loading): see startup_timeout
+_timeout_variable = "RECAST_STARTUP_TIMEOUT"  # the one in force: the start-up's, then the loop's
 
 
-def collective_timeout() -> datetime.timedelta:
-    """How long a rank waits inside one collective for the others before it gives up: seconds in
-    RECAST_COLLECTIVE_TIMEOUT, default 300. A rank that dies is noticed at once whatever this is
-    (its connections close, and torchrun stops its node's other workers); this bounds a silent
-    hang (a node without power or network, a stuck GPU). It must exceed the longest legitimate
-    wait: the first collective waits for the slowest rank to load the models, and ranks wait for
-    rank 0 to write checkpoints and pictures (docs/failure_modes.md#a-lost-rank-or-node)."""
-    text = os.environ.get("RECAST_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT))
+def _seconds(variable: str, default: float) -> datetime.timedelta:
+    text = os.environ.get(variable, str(default))
     try:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
     if not 0 < seconds < math.inf:
-        cli.fail("RECAST_COLLECTIVE_TIMEOUT", f"must be a number of seconds > 0, got {text!r}")
+        cli.fail(variable, f"must be a number of seconds > 0, got {text!r}")
     return datetime.timedelta(seconds=seconds)
 
 
+def collective_timeout() -> datetime.timedelta:
+    """How long a rank waits inside one collective of the training loop for the others before it
+    gives up: seconds in RECAST_COLLECTIVE_TIMEOUT, default 300. A rank that dies is noticed at
+    once whatever this is (its connections close, and torchrun stops its node's other workers);
+    this bounds a silent hang (a node without power or network, a stuck GPU). It must exceed the
+    longest legitimate wait of an epoch: ranks wait for rank 0 to write checkpoints and pictures
+    (docs/failure_modes.md#a-lost-rank-or-node). Loading has its own: startup_timeout."""
+    return _seconds("RECAST_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT)
+
+
+def startup_timeout() -> datetime.timedelta:
+    """collective_timeout until the training loop starts: seconds in RECAST_STARTUP_TIMEOUT,
+    default 1800. The first collectives wait for the slowest rank to start, load the models and
+    reward models (32 ranks reading tens of GB each from a network filesystem: minutes), and read
+    a resumed run's checkpoint."""
+    return _seconds("RECAST_STARTUP_TIMEOUT", STARTUP_TIMEOUT)
+
+
+def start_training() -> None:
+    """From here on every collective waits collective_timeout, no longer startup_timeout: called
+    once the models are loaded and the base model evaluated. torch sets a process group's timeout
+    when it is made (init_process_group(timeout=...); a group made later without one, as a 2-D
+    mesh's may be, takes torch's default: 10 min on nccl, 30 on gloo), and this sets the loop's on
+    every group. torch.distributed.distributed_c10d._set_pg_timeout changes it for the
+    collectives issued after the call, on gloo (ProcessGroupGloo's options and contexts; measured:
+    a 2 s timeout set after a 60 s one ends a wait after 2.0 s, and the reverse waits out a 6 s
+    late rank) and on nccl (ProcessGroupNCCL's options, which each new work's watchdog deadline
+    reads: from torch's code, not run here). It is private: if a torch lacks it, the loop keeps the
+    start-up timeout, with a note."""
+    global _timeout_variable
+    if not dist.is_initialized():
+        return
+    c10d, timeout = dist.distributed_c10d, collective_timeout()
+    try:
+        groups = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
+        for group in groups:  # the default group, and any other (a 2-D mesh's)
+            c10d._set_pg_timeout(timeout, group)
+    except AttributeError as e:
+        if dist.get_rank() == 0:
+            print(f"note: this torch cannot change a process group's timeout ({e}): the loop's "
+                  f"collectives keep RECAST_STARTUP_TIMEOUT ({startup_timeout().total_seconds():g}"
+                  " s)")  # fmt: skip
+        return
+    _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
+
+
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
-    """(rank, device), the process group started under torchrun; seeds set per rank."""
+    """(rank, device), the process group started under torchrun with startup_timeout (the loop
+    runs with collective_timeout: start_training); seeds set per rank."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     if distributed:
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=collective_timeout())
+        collective_timeout()  # a bad value exits 2 now, not once the models are loaded
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=startup_timeout())
     rank = dist.get_rank() if distributed else 0
     device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:
@@ -60,6 +104,19 @@ def gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim)
+
+
+def gather_uneven(x: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:
+    """gather for ranks holding different lengths along `dim`: rank r's is sizes[r], which every
+    rank knows (all_gather moves equal shapes, so each is padded to the largest and cut back)."""
+    if not dist.is_initialized():
+        return x
+    pad = list(x.shape)
+    pad[dim] = max(sizes) - x.shape[dim]
+    mine = torch.cat([x, x.new_zeros(pad)], dim).contiguous()
+    parts = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(parts, mine)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim)
 
 
 def mean_all(x: torch.Tensor) -> float:
@@ -108,8 +165,10 @@ def exit_if_rank_lost(e: BaseException, run_dir: str | None) -> None:
         f"({os.environ.get('MASTER_ADDR', '?')}) is lost")  # fmt: skip
     error = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
     if "Timed out" in error:
-        error += (f"; if the ranks were only slow, raise RECAST_COLLECTIVE_TIMEOUT (now "
-                  f"{collective_timeout().total_seconds():g} s)")  # fmt: skip
+        loop = _timeout_variable == "RECAST_COLLECTIVE_TIMEOUT"  # the one in force
+        now = (collective_timeout() if loop else startup_timeout()).total_seconds()
+        error += (f"; if the ranks were only slow, raise {_timeout_variable} (now "
+                  f"{now:g} s)")  # fmt: skip
     then = "nothing was saved yet" if run_dir is None else (
         f"the newest checkpoint ({newest(run_dir)}) is kept; once every node is back, "
         f"continue: {resume_command(run_dir)}")  # fmt: skip
@@ -185,13 +244,59 @@ def resolve_precision(args, device: torch.device) -> str:
     return default_precision(device) if args.precision == "auto" else args.precision
 
 
+def node_layout() -> tuple[int, int]:
+    """(nodes, ranks per node) of this torchrun run: torchrun's LOCAL_WORLD_SIZE and GROUP_RANK
+    in every rank, agreed by all of them (a collective). Several nodes only when each node runs
+    the same number of ranks and a node's ranks are consecutive (RANK = GROUP_RANK ×
+    LOCAL_WORLD_SIZE + LOCAL_RANK, as torchrun numbers them); otherwise, or without torchrun's
+    variables, one node of every rank."""
+    ranks = dist.get_world_size()
+    env = os.environ
+    try:
+        mine = (int(env["LOCAL_WORLD_SIZE"]), int(env["GROUP_RANK"]), int(env["LOCAL_RANK"]))
+    except (KeyError, ValueError):
+        mine = None
+    every = [None] * ranks
+    dist.all_gather_object(every, mine)
+    if any(m is None for m in every):
+        return 1, ranks
+    local = every[0][0]
+    laid_out = all(m[0] == local and r == m[1] * local + m[2] for r, m in enumerate(every))
+    if not laid_out or local < 1 or ranks % local:
+        return 1, ranks
+    return ranks // local, local
+
+
+def shard_mesh(device: torch.device):
+    """--shard's device mesh: on one node a flat one over every rank (each keeps 1/N of every
+    parameter); on several, HSDP's 2-D ("replicate", "shard") mesh: each node's ranks shard the
+    models among themselves and the nodes hold replicas, so a forward's all-gathers stay on the
+    node's own links (NVLink) and only the adapters' gradients (all-reduced between the replicas
+    after each node's reduce-scatter) cross the network (docs/models.md#many-nodes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes, local = node_layout()
+    if nodes == 1:
+        return init_device_mesh(device.type, (local,))
+    if dist.get_rank() == 0:
+        print(f"note: --shard on {nodes} nodes of {local} ranks: each node shards the models "
+              "among its ranks, and the nodes hold replicas (HSDP)")  # fmt: skip
+    return init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+
+
 def shard_models(
-    modules: list[torch.nn.Module], device: torch.device, precision: str | None = None
-) -> None:
-    """Shard each module across every rank with FSDP2: each of its repeated layers, then the rest
-    (the root). Each rank keeps 1/N of every parameter, frozen or trained, and gathers a layer's
-    whole for its forward and backward. Call it while the parameters to train, and only they,
-    require grad (the adapter "default", as the world leaves it after loading).
+    modules: list[torch.nn.Module], device: torch.device, precision: str | None = None,
+    load=None,
+) -> None:  # fmt: skip
+    """Shard each module across the ranks with FSDP2 (on the mesh of shard_mesh: every rank, or
+    each node's): each of its repeated layers, then the rest (the root). Each rank keeps 1/N of
+    every parameter, frozen or trained (N: the ranks of its node under several nodes), and gathers
+    a layer's whole for its forward and backward. Call it while the parameters to train, and only
+    they, require grad (the adapter "default", as the world leaves it after loading).
+
+    `load`: for modules built on the meta device (DiffusersWorld under --shard), a function called
+    once they are sharded, that gives every rank its shards' weights (the world's load_shards);
+    FSDP2's set-up below needs them.
 
     `precision` (default: default_precision(device)): "bf16" gathers each layer in bf16 (the
     frozen weights are bf16 already; the fp32 adapters are cast for the gather) and reduces the
@@ -199,13 +304,12 @@ def shard_models(
     The forwards must then run under torch.autocast(dtype=torch.bfloat16), as the diffusers world
     runs every CUDA forward: FSDP2 leaves the inputs as the caller passes them (below). "fp32"
     gathers and reduces every parameter in the dtype it is stored in."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     precision = precision or default_precision(device)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = shard_mesh(device)
     # cast_forward_inputs=False: by default FSDP2 casts every floating-point tensor argument of
     # every sharded module's forward to param_dtype before the forward runs (FSDPState._pre_forward
     # → _cast_forward_inputs), the root's too: the timestep (SD3's 1000·t, which bf16's 8
@@ -221,6 +325,9 @@ def shard_models(
         for layer in layers(module):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    if load is not None:  # FSDP2's set-up (below) refuses parameters still on the meta device
+        load()
+    for module in modules:
         # FSDP2 finishes its set-up lazily, at the first forward through the root
         # (FSDPState._lazy_init → FSDPParamGroup.lazy_init → _init_mp_dtypes), and only then: each
         # layer's group records the dtypes of its gradients, _orig_dtype and _reduce_dtype, from
@@ -241,12 +348,14 @@ def shard_models(
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool):
     """The optimizer's state as a checkpoint keeps it: under --shard gathered whole (every rank
-    must call it; parameters keyed by name, so a run resumes on any number of ranks)."""
+    must call it; parameters keyed by name, so a run resumes on any number of ranks) onto rank 0's
+    host, one tensor at a time (cpu_offload: each is gathered on the GPU and copied out at once;
+    the other ranks get an empty dict: only rank 0 writes the checkpoint)."""
     if not sharded:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(model, optimizer, options=options)
 
 

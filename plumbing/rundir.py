@@ -2,11 +2,14 @@
 SIGINT and SIGTERM, summary.json, and the process's exit codes for the faults of a run."""
 
 import fcntl
+import hashlib
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -22,7 +25,7 @@ from plumbing.checkpoints import (
     write_failed,
     write_json_atomic,
 )
-from plumbing.distributed import exit_if_rank_lost, load_optimizer_state
+from plumbing.distributed import _seconds, exit_if_rank_lost, load_optimizer_state
 from plumbing.seeding import set_rng_state
 
 _locks: dict[str, int] = {}  # run folder → the descriptor of its .lock, held for life
@@ -53,6 +56,118 @@ def lock_run(out: str) -> None:
     _locks[key] = fd
 
 
+SHARED_WAIT = 60.0  # seconds a rank looks for rank 0's token: see check_shared_folder
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _sees(path: str, nonce: str, wait_s: float) -> bool:
+    """Whether the token file `path` holding `nonce` can be read here within wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(path) as f:
+                if json.load(f).get("nonce") == nonce:
+                    return True
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def check_shared_folder(args, rank: int) -> None:
+    """Under torchrun, before any model loads: the run folder is one folder that every rank sees,
+    and every rank runs the same flags. Every rank reads args.json and the checkpoint from it and
+    writes eval images into it, so a node whose --out is another folder (a relative or node-local
+    path, a stale copy) would train from its own state while rank 0 writes the run. Rank 0 writes
+    a token (a fresh random nonce) into --out; every rank reads it back, waiting up to
+    RECAST_SHARED_WAIT seconds (default 60: a network filesystem may show another node's new file
+    only once its attribute cache expires, 30-60 s on NFS); one all_gather_object tells every rank
+    who saw it and a digest of each rank's flags (a resumed run's come from its args.json). A rank
+    that did not see it, or other flags: exit 2 on every rank (rank 0 and the ranks at fault say
+    why), naming the folder, the ranks and their hosts. Rank 0 then removes the token, and the
+    folder if it made it (a new run's, made again by start_or_resume: bad input found while
+    loading still leaves nothing written). Also gives every rank rank 0's --out (a default
+    runs/<time> name is rank 0's clock's)."""
+    if not dist.is_initialized():
+        return
+    wait = _seconds("RECAST_SHARED_WAIT", SHARED_WAIT).total_seconds()  # a bad one: exit 2
+    said = [args.out, secrets.token_hex(16)]
+    dist.broadcast_object_list(said, src=0)
+    args.out, nonce = said
+    token = os.path.join(args.out, f".shared-{nonce[:8]}")
+    made = False
+    if rank == 0:
+        made = not os.path.isdir(args.out)
+        os.makedirs(args.out, exist_ok=True)
+        write_json_atomic(token, {"nonce": nonce, "host": socket.gethostname(), "pid": os.getpid()})
+    dist.barrier()
+    mine = (_sees(token, nonce, wait), _digest(asdict(args)), socket.gethostname())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:  # every rank has looked
+        os.remove(token)
+        if made:
+            try:
+                os.rmdir(args.out)
+            except OSError:  # another process wrote into it meanwhile: leave it
+                pass
+    blind = [r for r, (seen, _, _) in enumerate(every) if not seen]
+    other = [r for r, (_, flags, _) in enumerate(every) if flags != every[0][1]]
+    ranks = lambda rs: ", ".join(f"{r} ({every[r][2]})" for r in rs)  # noqa: E731
+    if blind:
+        message = (f"{args.out} is not one folder that every rank sees: rank {ranks(blind)} did "
+                   f"not find the file that rank 0 ({every[0][2]}) wrote into it within {wait:g} "
+                   "s; give --out a folder on a filesystem that every node mounts at the same "
+                   "path (an absolute path), or raise RECAST_SHARED_WAIT if files written on one "
+                   "node reach the others later")  # fmt: skip
+        _fail_on_every_rank("--out", message, rank == 0 or rank in blind)
+    if other:
+        where = f"{args.out}/args.json differs on their nodes" if args.resume else (
+            "launched with other flags")  # fmt: skip
+        message = f"rank {ranks(other)} run other flags than rank 0 ({where})"
+        _fail_on_every_rank("--resume" if args.resume else "--out", message,
+                            rank == 0 or rank in other)  # fmt: skip
+
+
+def _fail_on_every_rank(flag: str, message: str, speak: bool) -> None:
+    """Every rank calls it with the same message: those that `speak` print it (cli.fail), and all
+    exit 2."""
+    if speak:
+        cli.fail(flag, message)
+    sys.exit(2)
+
+
+def check_same_checkpoint(out: str, ckpt, history: list[dict], rank: int) -> None:
+    """Under torchrun, a resumed run: every rank read the same checkpoint and the same
+    metrics.jsonl lines, or exit 2 on every rank naming what each read. Each rank reads the
+    checkpoint itself (rank 0 does not read it and broadcast it): load_latest has checked the bytes
+    it read against the SHA-256 that state.json records, so one all_gather_object of a digest of
+    (its folder's name, its state.json, the lines) proves that every rank loads the same LoRA,
+    optimizer state, RNG and gain EMA. That costs no more reading than before and a few bytes on
+    the network, under DDP and --shard alike, where a broadcast would move the whole optimizer
+    state (GB for the large models) through every GPU; and a node that sees a stale listing of
+    ckpt/ (an older checkpoint, or none) is named instead of training on."""
+    if not dist.is_initialized():
+        return
+    name = ckpt[2]["epoch"] if ckpt is not None else None
+    mine = (name, _digest([ckpt[2] if ckpt is not None else None, history]), socket.gethostname())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = [r for r, (_, d, _) in enumerate(every) if d != every[0][1]]
+    if other:
+        read = lambda r: "no checkpoint" if every[r][0] is None else (  # noqa: E731
+            f"ckpt/epoch_{every[r][0]:04d}")  # fmt: skip
+        said = "; ".join(f"rank {r} ({every[r][2]}) read {read(r)}" for r in [0, *other])
+        message = (f"the ranks read different states from {out}: {said} (or another "
+                   "metrics.jsonl): a node sees a stale copy of the run folder; resume once every "
+                   "node sees the same files")  # fmt: skip
+        _fail_on_every_rank("--resume", message, rank == 0 or rank in other)
+
+
 def start_or_resume(args, world, optimizer, rank: int, log=print):
     """A new run folder, or the run in args.out continued from its last good checkpoint (weights,
     optimizer, RNG, gain EMA). Returns (first epoch to run, optimizer steps, gain EMA, metrics
@@ -61,6 +176,8 @@ def start_or_resume(args, world, optimizer, rank: int, log=print):
     start, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = load_latest(args.out, log)
+        history = resume_metrics(args.out, ckpt[2]["epoch"] if ckpt else None, log)
+        check_same_checkpoint(args.out, ckpt, history, rank)  # before any rank loads it
         if ckpt is not None:
             tensors, optim_state, state = ckpt
             world.load_state_dict({k: v.to(world.device) for k, v in tensors.items()})
@@ -70,7 +187,6 @@ def start_or_resume(args, world, optimizer, rank: int, log=print):
             if state["gains_ema"] is not None:
                 gains_ema = torch.tensor(state["gains_ema"], dtype=torch.float64)
             log(f"resuming {args.out} after epoch {state['epoch']}")
-        history = resume_metrics(args.out, start - 1 if ckpt else None, log)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup

@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -388,6 +389,24 @@ def test_a_live_run_refuses_a_second_one_and_after_sigkill_resume_is_exact(tmp_p
     assert without_times(metrics_of(out)) == without_times(whole)
 
 
+def test_the_two_timeouts_come_from_their_variables_and_a_bad_one_exits_2(monkeypatch, capsys):
+    """Loading waits RECAST_STARTUP_TIMEOUT (1800 s), the loop RECAST_COLLECTIVE_TIMEOUT (300 s);
+    a value that is not a number of seconds > 0 exits 2 naming the variable."""
+    from plumbing import distributed
+
+    for name in ("RECAST_STARTUP_TIMEOUT", "RECAST_COLLECTIVE_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.startup_timeout().total_seconds() == 1800
+    assert distributed.collective_timeout().total_seconds() == 300
+    monkeypatch.setenv("RECAST_STARTUP_TIMEOUT", "3600")
+    assert distributed.startup_timeout().total_seconds() == 3600
+    for bad in ("soon", "0", "inf"):
+        monkeypatch.setenv("RECAST_STARTUP_TIMEOUT", bad)
+        with pytest.raises(SystemExit) as e:
+            distributed.startup_timeout()
+        assert e.value.code == 2 and "error: RECAST_STARTUP_TIMEOUT" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun on 2 CPU processes (gloo): SIGTERM, a dead rank, a rank that stops answering, a node
 # ---------------------------------------------------------------------------------------------
@@ -556,3 +575,92 @@ def test_torchrun_a_lost_node_stops_the_other_within_60s_and_resume_matches(
         _, err = node.communicate(timeout=600)
         assert node.returncode == 0, err[-3000:]
     assert_matches(metrics_of(out), whole_2ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun: a run folder that a rank does not see, a rank that reads another checkpoint, a rank
+# slow to load (the start-up timeout)
+# ---------------------------------------------------------------------------------------------
+WRAPPED = (
+    "import os, runpy, sys, time\nsys.path.insert(0, {here!r})\n{patch}\n"
+    "sys.argv = ['recast.py', *sys.argv[1:]]\nrunpy.run_path({recast!r}, run_name='__main__')\n"
+)
+
+
+def torchrun_patched(tmp_path, cwd, patch: str, *flags, env=None) -> subprocess.CompletedProcess:
+    """torchrun on 2 ranks of recast.py, with `patch` run first in each worker, launched in
+    `cwd`."""
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPED.format(here=HERE, patch=patch, recast=RECAST))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), *flags], cwd=cwd, env=env or ENV,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+RANK_1_ELSEWHERE = "if os.environ['RANK'] == '1':\n    os.chdir({other!r})"  # its own ./run
+STALE_LISTING = (  # rank 1's node lists ckpt/ without its newest checkpoint
+    "from plumbing import checkpoints\nlisted = checkpoints._checkpoints\n"
+    "if os.environ['RANK'] == '1':\n    checkpoints._checkpoints = lambda root: listed(root)[:-1]"
+)
+
+
+@pytest.mark.slow
+def test_torchrun_a_run_folder_a_rank_does_not_see_exits_2_naming_it_and_the_rank(tmp_path):
+    """`--out run` (relative) with rank 1 in another folder, as on a node where --out is not the
+    shared folder: a new run exits 2 naming the folder and rank 1, leaving nothing on either side;
+    a copy of a finished run (the same files, another folder) too, on --resume. A rank whose
+    listing of ckpt/ is stale (it reads the previous checkpoint) exits 2 naming what each rank
+    read, before anything is written."""
+    here, there = tmp_path / "node0", tmp_path / "node1"
+    here.mkdir()
+    there.mkdir()
+    env = {**ENV, "RECAST_SHARED_WAIT": "1"}
+    elsewhere = RANK_1_ELSEWHERE.format(other=str(there))
+    flags = [*TORCH_FLAGS, "--epochs", "2", "--out", "run"]
+    done = torchrun_patched(tmp_path, here, elsewhere, *flags, env=env)
+    said = stopped_lines(done.stderr, "recast.py: error: --out: run is not one folder")
+    assert done.returncode != 0 and "rank 1 (" in said, done.stderr[-3000:]
+    assert not (here / "run").exists() and not (there / "run").exists()
+
+    done = torchrun_patched(tmp_path, here, "", *flags, env=env)  # both ranks in node0
+    assert done.returncode == 0, done.stderr[-3000:]
+    before = files(here / "run")
+    shutil.copytree(here / "run", there / "run")  # rank 1's node: a copy, not the folder
+    resume = ["--out", "run", "--resume", "--epochs", "3"]
+    done = torchrun_patched(tmp_path, here, elsewhere, *resume, env=env)
+    said = stopped_lines(done.stderr, "recast.py: error: --out: run is not one folder")
+    assert done.returncode != 0 and "rank 1 (" in said, done.stderr[-3000:]
+
+    done = torchrun_patched(tmp_path, here, STALE_LISTING, *resume, env=env)
+    said = stopped_lines(done.stderr, "recast.py: error: --resume: the ranks read different")
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "rank 0 (" in said and "read ckpt/epoch_0002; rank 1 (" in said, said
+    assert "read ckpt/epoch_0001" in said
+    assert files(here / "run") == before  # no token left; metrics.jsonl, args.json as they were
+
+
+def files(out) -> dict:
+    """{path: bytes} of a run folder's files but its lock (which each launch rewrites)."""
+    return {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_slow_to_load_waits_the_start_up_timeout_not_the_loops(tmp_path):
+    """Rank 1 takes 15 s longer to build its world than rank 0, past RECAST_COLLECTIVE_TIMEOUT=6
+    (the loop's) but within the start-up's (RECAST_STARTUP_TIMEOUT, default 1800 s): the run
+    trains. (The loop's own timeout: test_torchrun_a_rank_that_stops_answering_*.)"""
+    slow = (
+        "from worlds import toyworld\nbuild = toyworld.ToyWorld.__init__\n"
+        "def slow(self, *a, **k):\n    time.sleep(15 * (os.environ['RANK'] == '1'))\n"
+        "    build(self, *a, **k)\ntoyworld.ToyWorld.__init__ = slow"
+    )
+    env = {**ENV, "RECAST_COLLECTIVE_TIMEOUT": "6"}
+    flags = [*TORCH_FLAGS, "--epochs", "1", "--out", str(tmp_path / "run")]
+    done = torchrun_patched(tmp_path, HERE, slow, *flags, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["epoch"] for m in metrics_of(tmp_path / "run")] == [0, 1]
+
+
+def stopped_lines(stderr: str, prefix: str) -> str:
+    """The lines of stderr that start with `prefix` (one per rank that says it), joined."""
+    return "\n".join(line for line in stderr.splitlines() if line.startswith(prefix))

@@ -10,7 +10,12 @@ pipelines modelzoo builds (random weights, nothing downloaded):
   and the sharded run equals DDP's under it;
 - shard_models' bf16 precision (CUDA's), forced on 2 gloo processes: a backward after a first
   forward with the adapters disabled (the base model's evaluation) gives the unsharded model's
-  fp32 gradients, and the timestep reaches the transformer in fp32 (seconds).
+  fp32 gradients, and the timestep reaches the transformer in fp32 (seconds);
+- loading: the models built on meta, sharded, and read by rank 0 and broadcast equal the models
+  loaded whole in every family, and no rank's host holds a whole copy (slow);
+- 4 ranks posing as 2 nodes of 2 take HSDP's 2-D mesh and equal one flat mesh (slow);
+- `torchrun --nproc-per-node 1 recast.py --shard` trains two epochs (slow; on CUDA in
+  benchmarks/gpu_check.py).
 The torchrun tests are slow (minutes on 2 cores): python -m pytest -q -m slow plumbing/test_shard.py
 """
 
@@ -20,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -221,6 +227,256 @@ def test_a_dead_rank_ends_a_sharded_run_in_seconds(models, tmp_path):
     said = stopped_message("\n".join(line for line in stderr.splitlines() if "[rank" not in line))
     assert "rank 0 lost contact: rank 1 stopped answering" in said
     assert f"recast.py --out {out} --resume" in said
+
+
+def nodes(models, out, *flags, n: int = 2, per_node: int = 2) -> str:
+    """One torchrun launcher per node, as on a cluster (static rendezvous at node 0's address),
+    all on this machine and sharing the run folder; node 0's output."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch = lambda i: [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}",  # noqa: E731
+                        f"--nproc-per-node={per_node}", f"--node-rank={i}",
+                        "--master-addr=127.0.0.1", f"--master-port={port}", RECAST, *flags,
+                        "--out", str(out)]  # fmt: skip
+    procs = [subprocess.Popen(launch(i), cwd=HERE, env=models["env"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(n)]  # fmt: skip
+    said = [p.communicate(timeout=1200) for p in procs]
+    for p, (_, err) in zip(procs, said, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return said[0][0]
+
+
+@pytest.mark.slow
+def test_two_nodes_shard_within_each_node_and_equal_one_flat_mesh(models, tmp_path):
+    """4 gloo ranks posing as 2 nodes × 2 (two torchrun launchers, --nnodes 2, a rendezvous on
+    localhost) take HSDP's 2-D mesh: each node shards, the nodes replicate; the same 4 ranks on one
+    node take the flat mesh. Two epochs of each give the same metrics within 1e-4 relative (1e-3
+    for the spread-divided ones) and LoRA weights within SHARD_ATOL: the gradients are the same
+    sums in another order (a reduce-scatter within the node, then an all-reduce between the
+    replicas, against one reduce-scatter over 4), as for DDP against --shard."""
+    held_out = tmp_path / "held_out.txt"  # one held-out prompt a rank at least
+    held_out.write_text("a purple cat\na purple boat\na purple tree\na silver cat\n")
+    flags = flags_of(models, "sd3", "--shard", "--epochs", "2", "--prompts", "4",
+                     "--eval-prompts-file", str(held_out))  # fmt: skip
+    said = nodes(models, tmp_path / "hsdp", *flags)
+    assert "--shard on 2 nodes of 2 ranks" in said and "(HSDP)" in said
+    flat = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=4", RECAST, *flags, "--out", str(tmp_path / "flat")],
+                          cwd=HERE, env=models["env"], capture_output=True, text=True,
+                          timeout=1200)  # fmt: skip
+    assert flat.returncode == 0, flat.stderr[-3000:]
+    assert "HSDP" not in flat.stdout
+    a_run, b_run = metrics_of(tmp_path / "hsdp"), metrics_of(tmp_path / "flat")
+    assert [m["epoch"] for m in a_run] == [0, 1, 2] == [m["epoch"] for m in b_run]
+    for a, b in zip(a_run, b_run, strict=True):
+        a, b = numbers(a), numbers(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            tol = 1e-3 if k.startswith(("adv/", "share/", "clamp/")) else 1e-4
+            got, want = torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k]).double()
+            assert torch.allclose(got, want, rtol=tol, atol=1e-6), (k, a[k], b[k])
+    x, y = lora(tmp_path / "hsdp", 2), lora(tmp_path / "flat", 2)
+    assert x.keys() == y.keys()
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < SHARD_ATOL
+    assert max(x[k].abs().max().item() for k in x if "lora_B.default" in k) > 1e-3
+
+
+@pytest.mark.slow
+def test_one_rank_shards_two_epochs(models, tmp_path):
+    """`torchrun --nproc-per-node 1 recast.py --shard` on the tiny SD3 for two epochs, on
+    RECAST_TEST_DEVICE (cpu; cuda: benchmarks/gpu_check.py, where --precision is bf16 by default):
+    it trains, and the checkpoint holds fp32 adapters."""
+    device = os.environ.get("RECAST_TEST_DEVICE", "cpu")
+    out = tmp_path / "run"
+    flags = [*flags_of(models, "sd3", "--shard", "--epochs", "2"), "--device", device]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=1", RECAST, *flags, "--out", str(out)], cwd=HERE,
+                          env=models["env"], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["epoch"] for m in metrics_of(out)] == [0, 1, 2]
+    state = lora(out, 2)
+    assert state and all(v.dtype == torch.float32 for v in state.values())
+    assert max(state[k].abs().max().item() for k in state if "lora_B.default" in k) > 1e-3
+
+
+def sd35_proportions(folder) -> str:
+    """An SD3 pipeline saved in `folder` (random weights, 32 px) whose text encoders outweigh its
+    transformer as SD3.5-Medium's do (5.6 B against 2.2 B parameters): 57 M transformer
+    parameters (6 MMDiT blocks 512 wide), two CLIP text encoders of 57 M (8 layers 768 wide); about
+    690 MB in fp32, so a whole copy stands far above what a process's RSS does by itself."""
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(0)
+    pipe = modelzoo.tiny_sd3_pipeline(modelzoo.clip_tokenizer(os.path.join(folder, "tok")))
+    text = dict(modelzoo.TINY_TEXT, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
+                num_attention_heads=12, projection_dim=16)  # fmt: skip
+    encoders = [CLIPTextModelWithProjection(CLIPTextConfig(**text)) for _ in range(2)]
+    pipe.register_modules(
+        transformer=SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=6,
+            num_attention_heads=8, attention_head_dim=64, joint_attention_dim=768,
+            caption_projection_dim=512, pooled_projection_dim=32, pos_embed_max_size=16,
+        ), text_encoder=encoders[0], text_encoder_2=encoders[1],
+    )  # fmt: skip
+    pipe.save_pretrained(folder)
+    return str(folder)
+
+
+def _rss(field: str) -> int:
+    """A field of /proc/self/status in bytes: VmRSS, VmHWM (its peak since the last reset), RssAnon
+    (what the process itself allocated: RSS less the pages of files it maps, such as the weights'
+    safetensors, which the kernel may drop and read again)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+class HostPeak:
+    """Within it, this process's peak host memory over what it held on entry, in bytes: `hwm`,
+    VmHWM's (reset on entry by writing 5 to /proc/self/clear_refs), which counts the mapped pages
+    of the files read too; `anon`, RssAnon's largest value, sampled every millisecond by a thread
+    (the kernel keeps no peak of it)."""
+
+    def __enter__(self):
+        import threading
+
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base_rss, self.base_anon, self.anon = _rss("VmRSS"), _rss("RssAnon"), 0
+        self.done = threading.Event()
+
+        def sample():
+            while not self.done.wait(0.001):
+                self.anon = max(self.anon, _rss("RssAnon") - self.base_anon)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self.done.set()
+        self.thread.join()
+        self.anon = max(self.anon, _rss("RssAnon") - self.base_anon)
+        self.hwm = _rss("VmHWM") - self.base_rss
+
+
+def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
+    """One of 2 gloo ranks: --shard's loading (meta models, sharded, rank 0 reading and
+    broadcasting), its host memory, then each model's whole state gathered and, on rank 0,
+    compared with the same models loaded whole as without --shard (DDP's loading)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    try:
+        import diffusers  # what loading imports, imported before the measure
+        import peft  # noqa: F401
+        import transformers
+        from torch.distributed.checkpoint import state_dict as dsd
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+        import recast
+        from plumbing import cli
+        from plumbing.distributed import shard_models
+        from worlds import families
+
+        for name in ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL"):
+            getattr(diffusers, name)
+        transformers.CLIPTextModelWithProjection  # noqa: B018
+        args = cli.parse(recast.Args, flags, "", recast.CHOICES)
+        cpu = torch.device("cpu")
+        with HostPeak() as peak:  # the loading alone
+            world = families.load(args, cpu)
+            shard_models(world.shardable(), cpu, args.precision.replace("auto", "fp32"),
+                         load=world.load_shards)  # fmt: skip
+        out = {"peak": peak.anon, "hwm": peak.hwm}
+        options = dsd.StateDictOptions(full_state_dict=True)
+        sharded = [dsd.get_model_state_dict(m, options=options) for m in world.shardable()]
+        sharded_buffers = [dict(m.named_buffers()) for m in world.shardable()]
+        args.shard = False
+        whole = families.load(args, cpu)  # as without --shard
+        models = whole.shardable()
+        out["whole_bytes"] = sum(t.nbytes for m in models for t in m.state_dict().values())
+        out["largest_bytes"] = max(sum(t.nbytes for t in m.state_dict().values()) for m in models)
+        pairs = list(zip(sharded, sharded_buffers, models, strict=True))
+        out["names"] = [sorted(sd) == sorted(m.state_dict()) for sd, _, m in pairs]
+        out["differ"] = [k for sd, _, m in pairs for k, t in m.state_dict().items()
+                         if k not in sd or not torch.equal(sd[k], t)]  # fmt: skip
+        out["buffers_differ"] = [k for _, b, m in pairs for k, t in m.named_buffers()
+                                 if not torch.equal(b[k], t)]  # fmt: skip
+        out["adapters"] = len(whole.lora)
+        out["trained"] = sorted({str(p.dtype) for p in world.trainable.parameters()
+                                 if p.requires_grad})  # fmt: skip
+        results.put((rank, out))
+    except Exception as e:  # said to the test, which fails naming it
+        import traceback
+
+        results.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def sharded_load(models, tmp_path, variant: str, folder=None, *more: str) -> dict:
+    """What _load_worker says on each of 2 gloo ranks, {rank: {...}}."""
+    import torch.multiprocessing as mp
+
+    flags = flags_of(models, variant, *more)
+    if folder is not None:
+        flags[1] = folder
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_load_worker, args=(str(tmp_path / "init"), [*flags, "--shard"], results), nprocs=2)
+    return dict(results.get() for _ in range(2))
+
+
+@pytest.mark.parametrize("variant", ["sd3", "flux-dev", "qwen-image", "flux2-klein"])
+def test_sharded_loading_gives_the_weights_loaded_whole(models, tmp_path, variant):
+    """--shard builds the transformer and the text encoders on the meta device, shards them, and
+    loads them with rank 0 reading each model and broadcasting it: gathered back whole, every
+    weight, both adapters (drawn from --seed as without --shard) and every buffer (CLIP's position
+    ids, rotary frequencies) equal the models loaded whole as without --shard, bit for bit, in
+    every family (T5, Qwen2.5-VL and Qwen3 text encoders among them)."""
+    folder = None
+    if variant not in models:
+        torch.manual_seed(0)
+        folder = modelzoo.tiny_family(variant, tmp_path / variant)
+    said = sharded_load(models, tmp_path, "sd3" if folder else variant, folder)
+    for rank, x in said.items():
+        assert "error" not in x, (rank, x.get("error"))
+        assert x["trained"] == ["torch.float32"] and x["adapters"] > 0
+    x = said[0]
+    assert all(x["names"]) and x["differ"] == [] and x["buffers_differ"] == [], x
+
+
+@pytest.mark.slow
+def test_sharded_loading_holds_less_than_a_whole_copy_per_rank(models, tmp_path):
+    """Host memory while loading, on 2 gloo ranks, with an SD3 whose text encoders outweigh its
+    transformer as SD3.5-Medium's do (sd35_proportions), in bf16 (--precision bf16, CUDA's: 340 MB
+    of weights, read from fp32 files, so every rank's copies are its own memory). Measured from
+    /proc/self/status in each rank: VmHWM reset (writing 5 to /proc/self/clear_refs) after the
+    libraries are imported, and RssAnon sampled every millisecond through the loading (HostPeak):
+    its largest rise is what the loading allocated. VmHWM's rise counts besides the pages of the
+    safetensors files that rank 0 reads through a map, page cache that the kernel may drop and
+    read again. Under --shard the rank that only receives holds its shards (half of every model),
+    and rank 0 one model whole at a time beside its shards: each below one whole copy, the least
+    that loading without --shard holds on every rank (its models whole, and on a GPU again); 15 %
+    of a whole copy (51 MB) is left for what loading allocates and maps besides the weights (the
+    libraries it loads). Measured under pytest: rank 1 allocated 195 MB (VmHWM 207), rank 0 301
+    MB (VmHWM 492, the mapped files with it). Before --shard loaded this way, rank 1 held the whole
+    copy too, then sharded it."""
+    folder = sd35_proportions(tmp_path / "sd35")
+    said = sharded_load(models, tmp_path, "sd3", folder, "--precision", "bf16")
+    for rank, x in said.items():
+        assert "error" not in x, (rank, x.get("error"))
+    whole, largest = said[0]["whole_bytes"], said[0]["largest_bytes"]
+    assert whole > 3e8 and largest < 0.35 * whole, said
+    assert all(said[0]["names"]) and said[0]["differ"] == [], said[0]
+    besides = 0.15 * whole  # what loading allocates besides the weights, libraries' pages
+    assert said[1]["peak"] < 0.5 * whole + besides, said  # its shards
+    assert said[1]["hwm"] < 0.5 * whole + besides, said  # it maps no weights' file
+    assert said[0]["peak"] < largest + 0.5 * whole + besides < whole, said
 
 
 def test_shard_needs_torchrun_and_a_diffusers_model(models, tmp_path, capsys, monkeypatch):

@@ -32,7 +32,6 @@ import os
 import numpy as np
 import torch
 
-from plumbing import distributed
 from worlds import hub
 
 EVAL_SHARE = 0.1  # held out from --prompts-file when no --eval-prompts-file is given
@@ -138,10 +137,11 @@ def lora_targets(transformer: torch.nn.Module, suffixes: list[str]) -> list[str]
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor (DTensor) gathered whole on every rank; any other tensor as it is."""
+    """A sharded tensor (DTensor) gathered whole on every rank and copied to the host (so that a
+    checkpoint's gather holds one whole tensor on the GPU at a time); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor().cpu() if isinstance(t, DTensor) else t
 
 
 def _like(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -163,6 +163,77 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(p, pad) for p, pad in zip(parts, pads, strict=True)])
 
 
+SHARDED = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")  # --shard's models
+
+
+def _lora(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The two adapters' tensors by peft name."""
+    params = transformer.named_parameters()
+    return {k: p for k, p in params if ".default." in k or ".old." in k}
+
+
+def add_adapters(transformer: torch.nn.Module, args, family) -> None:
+    """The two LoRA adapters on the family's targets, drawn from --seed alone, on any rank and
+    whatever drew from the RNG before (DDP would also copy rank 0's at wrap time): lora_A random,
+    lora_B zero, so θ = θ_old = base; fp32 (peft makes them the base weights' dtype), "old" a copy
+    of "default", and only "default" requires grad. On the meta device (a --shard skeleton) they
+    get their shapes and names only."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    targets = lora_targets(transformer, family.LORA_TARGETS)  # before peft wraps them
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        for name in ("default", "old"):
+            config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                init_lora_weights="gaussian",
+                target_modules=targets,
+            )
+            transformer.add_adapter(config, adapter_name=name)
+    transformer.set_adapter("default")  # trainable: only "default" requires grad
+    lora = _lora(transformer)
+    for p in lora.values():  # adapters and their EMA in fp32 (peft makes them bf16 here)
+        p.data = p.data.float()
+    with torch.no_grad():
+        for k, p in lora.items():
+            old = lora.get(k.replace(".default.", ".old."))
+            if old is not None and not (p.is_meta or old.is_meta):  # a skeleton's: no values
+                old.copy_(p)  # θ_old = θ
+
+
+def _model_class(spec: list[str]):
+    """The class of a pipeline component as model_index.json names it, e.g. ["diffusers",
+    "SD3Transformer2DModel"] or ["transformers", "T5EncoderModel"]."""
+    import importlib
+
+    return getattr(importlib.import_module(spec[0]), spec[1])
+
+
+def skeleton(source: str, name: str, spec: list[str], dtype: torch.dtype) -> torch.nn.Module:
+    """Component `name` of the pipeline in `source` built from its configuration on the meta
+    device, in `dtype`, frozen: its modules, parameter names and shapes, no weight read and
+    nothing allocated (its buffers too are on meta: load_shards gives them rank 0's)."""
+    cls = _model_class(spec)
+    with torch.device("meta"):
+        if spec[0] == "diffusers":
+            model = cls.from_config(cls.load_config(source, subfolder=name))
+        else:
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(source, subfolder=name))
+    torch.nn.Module.to(model, dtype)  # (diffusers' own `to` warns of fp32 modules it has none of)
+    return model.requires_grad_(False).eval()
+
+
+def read_whole(source: str, name: str, spec: list[str], dtype: torch.dtype) -> torch.nn.Module:
+    """Component `name` read whole onto the host, as the pipeline's from_pretrained reads it."""
+    cls = _model_class(spec)
+    kind = "torch_dtype" if spec[0] == "diffusers" else "dtype"  # transformers ≥ 5 says dtype
+    return cls.from_pretrained(source, subfolder=name, **{kind: dtype}).requires_grad_(False)
+
+
 class DiffusersWorld:
     """What recast.py needs of a world (toyworld.ToyWorld has the same shape), for a diffusers
     pipeline of the family `family` (a family module, see above)."""
@@ -173,71 +244,104 @@ class DiffusersWorld:
         """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
         lora_rank, lora_alpha, grad_checkpointing, guidance are read). `pipe`: the family's
         pipeline already built (benchmarks/memory_plan.py builds one on the meta device), used
-        instead of loading --model."""
+        instead of loading --model.
+
+        Under --shard (args.shard, in a process group) the transformer and the text encoders are
+        built on the meta device (`skeleton`: no weight read, nothing allocated), the adapters
+        added to them, and nothing else is done to them here: recast.setup shards them
+        (distributed.shard_models), then load_shards gives each rank its shards' weights, read
+        on rank 0 and broadcast, and moves the VAE to the device. Otherwise every model is read
+        whole, as from_pretrained reads a pipeline."""
         import diffusers
-        from peft import LoraConfig
 
         self.device, self.family, self.args = device, family, args
-        self.bf16 = distributed.resolve_precision(args, device) == "bf16"  # --precision
+        # --precision: bf16, fp32, or auto (bf16 on CUDA), as plumbing.distributed resolves it
+        self.bf16 = args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda")
         self.train_prompts, self.eval_prompts = split_prompts(
             args.prompts_file, args.eval_prompts_file
         )
+        self._skeletons, self._source = {}, None  # --shard's meta models, by component name
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         if pipe is None:
             source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
             configs = read_configs(source)
             family.check(configs, args)  # before a weight is loaded
             # components saved as null (e.g. T5 left out) must be passed as None explicitly
             absent = {k: None for k, v in configs["pipeline"].items() if v == [None, None]}
-            dtype = torch.bfloat16 if self.bf16 else torch.float32
+            if getattr(args, "shard", False) and torch.distributed.is_initialized():
+                self._source = source
+                self._skeletons = {n: skeleton(source, n, configs["pipeline"][n], self.dtype)
+                                   for n in SHARDED if n in configs["pipeline"]
+                                   and n not in absent}  # fmt: skip
             pipeline = getattr(diffusers, family.PIPELINE)
-            pipe = pipeline.from_pretrained(source, torch_dtype=dtype, **absent)
+            pipe = pipeline.from_pretrained(source, torch_dtype=self.dtype, **absent,
+                                            **self._skeletons)  # fmt: skip
         else:
             configs = {"pipeline": dict(pipe.config)}
             configs.update({n: dict(getattr(pipe, n).config) for n in ("transformer", "vae",
                                                                        "scheduler")})  # fmt: skip
             family.check(configs, args)
         pipe.set_progress_bar_config(disable=True)
-        pipe.vae.to(device, torch.float32).requires_grad_(False).eval()
+        pipe.vae.requires_grad_(False).eval()
+        if not self._skeletons:  # under --shard: load_shards, once the models are sharded
+            pipe.vae.to(device, torch.float32)
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             encoder = getattr(pipe, name, None)
             if encoder is not None:  # T5 may have been left out
-                encoder.to(device).requires_grad_(False).eval()
+                encoder.requires_grad_(False).eval()
+                if name not in self._skeletons:
+                    encoder.to(device)
         self.pipe = pipe
         for note in family.advice(configs):
             print(f"note: {family.NAME}: {note}")
 
-        transformer = pipe.transformer.requires_grad_(False)
+        transformer = pipe.transformer
         self.latent_shape = family.latent_shape(pipe, args.resolution)
-        # Adapters drawn from --seed alone, on any rank and whatever drew from the RNG before (DDP
-        # would also copy rank 0's at wrap time): lora_A random, lora_B zero, so θ = θ_old = base.
-        targets = lora_targets(transformer, family.LORA_TARGETS)  # before peft wraps them
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)
-            for name in ("default", "old"):
-                config = LoraConfig(
-                    r=args.lora_rank,
-                    lora_alpha=args.lora_alpha,
-                    init_lora_weights="gaussian",
-                    target_modules=targets,
-                )
-                transformer.add_adapter(config, adapter_name=name)
-        transformer.set_adapter("default")  # trainable: only "default" requires grad
-        self.transformer = transformer
-        for p in self.lora.values():  # adapters and their EMA in fp32 (peft makes them bf16 here)
-            p.data = p.data.float()
-        with torch.no_grad():
-            for p_old, p in self._pairs:
-                p_old.copy_(p)  # θ_old = θ
+        add_adapters(transformer, args, family)
         if args.grad_checkpointing:
             transformer.enable_gradient_checkpointing()
-        self.transformer = self.trainable = self.policy = transformer.to(device)
+        if "transformer" not in self._skeletons:
+            transformer = transformer.to(device)
+        self.transformer = self.trainable = self.policy = transformer
+
+    def load_shards(self) -> None:
+        """Under --shard, once distributed.shard_models has sharded the meta models (every rank
+        calls it, from there): each model in turn is given storage for this rank's shards on the
+        device, rank 0 reads it whole onto its host (read_whole; the transformer with the adapters
+        of add_adapters, drawn as under DDP) and broadcasts it, tensor by tensor, each rank keeping
+        its shards (torch.distributed.checkpoint's set_model_state_dict, full_state_dict and
+        broadcast_from_rank0), then its buffers (those outside the state dict too: rotary
+        frequencies, position ids); rank 0 drops the whole copy before reading the next. Rank 0's
+        host thus holds one model whole at a time, every other rank's only its shards, and no
+        GPU more than its shards and one tensor; then the VAE goes to the device (read with the
+        pipeline, small). Without --shard's meta models: nothing to do."""
+        if not self._skeletons:
+            return
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        rank0 = dist.get_rank() == 0
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        specs = read_configs(self._source)["pipeline"]
+        for name, model in self._skeletons.items():
+            model.to_empty(device=self.device)  # this rank's shards (and buffers), unset
+            whole = read_whole(self._source, name, specs[name], self.dtype) if rank0 else None
+            if rank0 and name == "transformer":
+                add_adapters(whole, self.args, self.family)
+            set_model_state_dict(model, whole.state_dict() if rank0 else {}, options=options)
+            buffers = [{k: b.cpu() for k, b in whole.named_buffers()} if rank0 else None]
+            dist.broadcast_object_list(buffers, src=0)
+            for k, b in buffers[0].items():
+                owner, _, attr = k.rpartition(".")
+                model.get_submodule(owner)._buffers[attr] = b.to(self.device)
+            del whole
+        self.pipe.vae.to(self.device, torch.float32)
 
     @property
     def lora(self) -> dict[str, torch.Tensor]:
         """The two adapters' tensors by peft name, as the transformer holds them now (sharding
         replaces them with their shards)."""
-        params = self.transformer.named_parameters()
-        return {k: p for k, p in params if ".default." in k or ".old." in k}
+        return _lora(self.transformer)
 
     @property
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -319,7 +423,7 @@ class DiffusersWorld:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The two adapters, whole, under peft's parameter names (".default." and ".old."). When
-        sharded, every rank must call it: it gathers each tensor's shards."""
+        sharded, every rank must call it: it gathers each tensor's shards, onto the host."""
         return {k: _whole(p.detach()) for k, p in self.lora.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
