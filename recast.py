@@ -25,26 +25,21 @@ Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion R
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).
 """
 
-import math
 import os
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Literal
 
 from plumbing import cli
 
 
 # ---------------------------------------------------------------------------------------------
-# Config: every flag with its default (--help prints them)
+# The flags: every one with the default that runs (--help prints them)
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Args:
-    # a flag's value in runs made before the flag existed (their args.json lacks it)
-    BEFORE: ClassVar[dict] = {"gain_shift": 0, "normalize": "per-reward", "shard": False,
-                              "precision": "auto"}  # fmt: skip
     # --- what to train, on what ---
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
@@ -61,16 +56,17 @@ class Args:
     """held-out judges: reward names scored at eval, never trained on (default: the world's own,
     shape,iou in the toy world, none for a diffusers model)"""
     # --- ReCAST ---
-    weighting: str = "recast"
+    weighting: Literal["recast", "uniform", "sum", "reversed"] = "recast"
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
     reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
     score no step prediction (DiffusionNFT's cost)"""
-    normalize: str = "joint"
+    normalize: Literal["joint", "per-reward", "batch"] = "joint"
     """joint (every reward's centred score divided by the group spread of the λ-weighted sum, so
     W = λ/T is --weighting sum exactly) | per-reward (each reward's advantage divided by its own
     group spread) | batch (each reward's centred score divided by its within-group spread pooled
-    over the whole batch): DESIGN §3; uniform's default is per-reward (joint with uniform is
-    --weighting sum), and sum takes none (one reward)"""
+    over the whole batch): DESIGN §3
+    default: 'joint'; 'per-reward' with --weighting uniform (joint with uniform is --weighting
+    sum); --weighting sum takes none (one reward)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -82,19 +78,19 @@ class Args:
     """W column i uses the gain of step i-S (DESIGN §4, alignment): 1 credits D_i - D_i-1 to
     timestep i (the alignment comparison: docs/results.md), 0 credits D_i+1 - D_i; the first S
     columns get about the static mix λ, the last S gains are dropped (the last is ≈ 0 with an Euler
-    sampler). recast/reversed only (uniform and sum run with 0)"""
+    sampler)
+    default: 1; 0 with --weighting uniform or sum (no gains in W)"""
     gain_ema: float = 0.8
     """EMA of the gains across epochs (0: this epoch's gains only)"""
     gain_every: int = 1
     """epochs between gain updates; step predictions are only scored then"""
     gain_frac: float = 1.0
-    """fraction of prompt groups whose step predictions are scored for the gains (toy world: all;
-    with a diffusers --model the default scores 4 groups an epoch, min(1, 4/--prompts);
-    docs/results.md)"""
-    score_precision: str = "fp32"
+    """fraction of prompt groups whose step predictions are scored for the gains (docs/results.md)
+    default: 1.0; min(1, 4/--prompts) with a diffusers --model (4 groups an epoch, docs/sd35.md)"""
+    score_precision: Literal["fp32", "bf16"] = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
-    bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32 (with
-    a diffusers --model the default is bf16)"""
+    bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32
+    default: 'fp32'; 'bf16' with a diffusers --model"""
     # --- rollout ---
     epochs: int = 20
     """training epochs (rollout + update)"""
@@ -140,7 +136,7 @@ class Args:
     """under torchrun: shard the transformer (base weights and adapters) and the text encoders
     across the ranks, layer by layer (FSDP2), instead of a whole copy on every GPU (DDP); for the
     models that do not fit one GPU (docs/models.md)"""
-    precision: str = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     """bf16 | fp32 | auto (bf16 on CUDA, fp32 elsewhere): a diffusers --model's frozen weights
     and forwards; bf16 loads them in bf16 and runs every forward under bf16 autocast, while the
     adapters, their optimizer state and the VAE decode stay fp32 (under --shard FSDP2 gathers in
@@ -173,295 +169,29 @@ class Args:
     written to --out (profile.png, profile.json); see docs/anatomy.md"""
 
 
-# Flags that may change on --resume; every other one defines the method and must match.
-RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile"}
-# Flags that --profile ignores (it trains and evaluates nothing): a note says so when given.
-TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac", "kl_coef",
-                 "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
-                 "eval_seeds", "ckpt_every", "log", "lora_rank", "lora_alpha",
-                 "grad_checkpointing"]  # fmt: skip
-CHOICES = {  # flags with a fixed set of values
-    "weighting": ["recast", "uniform", "sum", "reversed"],
-    "normalize": ["per-reward", "joint", "batch"],
-    "score_precision": ["fp32", "bf16"],
-    "precision": ["auto", "bf16", "fp32"],
-}
-
-# --help answers here, before torch and the models' libraries load (seconds)
+# --help answers here, before torch and the models' libraries load (a blink, not seconds)
 if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
-    cli.parse(Args, sys.argv[1:], __doc__, CHOICES)
+    cli.parse(Args, sys.argv[1:], __doc__)
+
+import math
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import harness
 import rewards
-from plumbing import checkpoints, distributed, eval_images, plots, reward_profile, rundir, tblog
-from plumbing.distributed import (
-    gather,
-    init_processes,
-    mean_all,
-    resolve_precision,
-    same_on_all_ranks,
-    shard_models,
-)
-from plumbing.plots import timestep_centroid
+from harness import Run
+from plumbing import checkpoints, distributed, plots, reward_profile, rundir, tblog
+from plumbing.distributed import gather, same_on_all_ranks
 from plumbing.seeding import epoch_generator
 from recast_kernels.nft_loss import nft_loss
-from recast_kernels.renyi import (
-    gain_profiles,
-    group_optimality,
-    joint_optimality,
-    recast_weights,
-    renyi_gains,
-)
-from worlds import hub, toyworld
+from recast_kernels.renyi import renyi_gains
 
-
-# ---------------------------------------------------------------------------------------------
-# Set-up: the world, the run, and every check before anything is written
-# ---------------------------------------------------------------------------------------------
-class World(Protocol):
-    """What a world gives the loop (worlds/toyworld.py's ToyWorld, worlds/diffusersworld.py's
-    DiffusersWorld): prompts, the latent layout, the sampler's schedule, the text encoder, the
-    velocities of the trained, old and reference policies, the decoder to images, the old
-    policy's EMA and the weights a checkpoint keeps."""
-
-    device: torch.device
-    train_prompts: list[str]
-    eval_prompts: list[str]
-    latent_shape: tuple[int, ...]  # one image's latent: (C, H, W), or (tokens, channels)
-    judge_names: list[str]  # held-out judges when --judges is not given
-    trainable: torch.nn.Module  # what the optimizer trains (the LoRA adapters, or the toy model)
-    policy: torch.nn.Module  # the trainable, wrapped in DDP under torchrun (without --shard)
-
-    def sigmas(self, steps: int) -> torch.Tensor: ...  # (T+1,): 1 = noise > … > 0 = image
-
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, ...]: ...  # per prompt
-
-    def v(self, which: str, x: torch.Tensor, cond, t: torch.Tensor) -> torch.Tensor: ...
-
-    def decode(self, x0: torch.Tensor) -> torch.Tensor: ...  # (N, 3, H, W) images in [0, 1]
-
-    def ideal(self, prompts: list[str]) -> torch.Tensor | None: ...  # None: no ideal rendering
-
-    def update_old(self, decay: float) -> None: ...  # θ_old ← d·θ_old + (1-d)·θ
-
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
-
-    def shardable(self) -> list[torch.nn.Module]: ...  # --shard's (diffusers worlds only)
-
-
-@dataclass
-class Run:
-    args: Args
-    names: list[str]  # reward names, in --lambda order
-    lam: torch.Tensor  # (K,) float64, sums to 1
-    rank: int
-    world_size: int
-    world: World
-    reward_fns: dict  # the trained rewards
-    scorers: dict  # the trained rewards and the held-out judges
-    sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
-    params: list
-    optimizer: torch.optim.Optimizer
-    views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
-    flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
-    # A benchmark's hook, entered around each phase and step of the loop by name (rollout, score,
-    # recast, steps, weights, update, loss, backward, eval, save): benchmarks/scale_check.py times
-    # them through it. By default it does nothing.
-    observe: Callable[[str], AbstractContextManager] = nullcontext
-
-    def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
-        if self.rank == 0:
-            print(*a, **k)
-
-    @contextmanager
-    def phase(self, metrics: dict, name: str):
-        """A phase of the loop: its time (and GPU memory) into metrics, inside the hook."""
-        with self.observe(name), timed(metrics, name):
-            yield
-
-    @property
-    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
-        return dict(leave=False, disable=self.rank > 0)
-
-
-@contextmanager
-def timed(metrics: dict, name: str):
-    """time/<name>: the phase's seconds. Once CUDA is in use, the GPU is synchronised at both ends
-    (so the phase is charged its own kernels) and mem/<name> is its peak allocated GiB
-    (torch.cuda.max_memory_allocated, reset when the phase starts)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    tic = time.perf_counter()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
-        metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
-    metrics[f"time/{name}"] = time.perf_counter() - tic
-
-
-def is_toy_model(path: str) -> bool:
-    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
-    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
-    return has("config.json") and not has("model_index.json")
-
-
-def is_diffusers(model: str) -> bool:
-    """--model names a diffusers pipeline (a folder or a hub id), not a toy-world model."""
-    return model != "toy" and not is_toy_model(model)
-
-
-def load_world(args: Args, device: torch.device):
-    """The world: models, prompts, latent shape, sampler schedule (worlds/toyworld.py, or
-    worlds/diffusersworld.py with the family part that worlds/families.py picks)."""
-    if not is_diffusers(args.model):
-        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
-    from worlds import diffusersworld, families
-
-    try:
-        return families.load(args, device)
-    except diffusersworld.BadInput as e:
-        cli.fail(e.flag, str(e))
-    except (OSError, ValueError) as e:
-        cli.fail("--model", f"could not load {args.model!r}: {e}")
-
-
-def expand_names(flag: str, text: str, known: list[str], allow_none: bool = False) -> list[str]:
-    """--rewards / --judges → reward names (presets expanded); an unknown one exits 2."""
-    names = rewards.expand(text)
-    if (not names and not allow_none) or any(n not in known for n in names):
-        bad = ", ".join(n for n in names if n not in known) or "(none)"
-        cli.fail(flag, f"unknown reward {bad}; choose from {', '.join([*known, *rewards.PRESETS])}")
-    return names
-
-
-def check_rewards(args: Args, names: list[str], judges: list[str]) -> None:
-    """A diffusers --model is scored by reward models: a toy-world reward or judge exits 2."""
-    for flag, given in (("--rewards", names), ("--judges", judges)):
-        toy = [n for n in given if n in rewards.TOY]
-        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
-        if toy:
-            cli.fail(flag, f"{', '.join(toy)} score the toy world's shapes, not {args.model}: "
-                     f"choose from {', '.join(rewards.LOADERS)}, or a preset "
-                     f"({', '.join(real)})")  # fmt: skip
-
-
-def scoring_defaults(args: Args, argv: list[str] | None) -> dict:
-    """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
-    on a new run that scores them, for the flags not given; the toy world scores every group in
-    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
-    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0, and
-    their --normalize per-reward (uniform with joint is sum; sum is one reward)."""
-    if args.weighting in ("uniform", "sum"):
-        cli.fill_defaults(args, argv, {"gain_shift": 0, "normalize": "per-reward"})
-    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
-        return {}
-    from worlds import diffusersworld
-
-    values = diffusersworld.scoring_defaults(args.prompts)
-    if args.profile:
-        values.pop("gain_frac")
-    return cli.fill_defaults(args, argv, values)
-
-
-def setup(argv: list[str] | None) -> "Run":
-    """Flags, processes, world, rewards, optimizer: every check before anything is written (bad
-    input exits 2)."""
-    args = cli.parse(Args, argv, __doc__, CHOICES)
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
-    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
-        cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
-                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
-    if args.shard and not is_diffusers(args.model):
-        cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
-                 "diffusers models, --model)")  # fmt: skip
-    if args.precision == "bf16" and not is_diffusers(args.model):
-        cli.fail("--precision", "the toy world computes in fp32: drop --precision (it is for "
-                 "diffusers models, --model)")  # fmt: skip
-    if args.shard and not distributed:
-        cli.fail("--shard", "shards the models across torchrun's processes: launch with "
-                 "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip
-    chosen = scoring_defaults(args, argv)
-    cli.check(args, world_size, RESUMABLE)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
-    if chosen and rank0:
-        from worlds import diffusersworld
-
-        said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
-                        f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
-        print(f"note: scoring defaults: {said} (step predictions of {diffusersworld.SCORED_GROUPS}"
-              " prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
-    ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
-    if ignored and rank0:
-        print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
-    known = [*rewards.REWARDS, *rewards.LOADERS]
-    names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
-    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
-    judges = expand_names("--judges", args.judges, [*known, *rewards.JUDGES], allow_none=True)
-    if set(judges) & set(names):
-        both = ", ".join(n for n in judges if n in names)
-        cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
-    try:  # --log's targets, and their packages installed
-        missing = tblog.missing(tblog.targets(args.log))
-    except ValueError as e:
-        missing = str(e)
-    if missing:
-        cli.fail("--log", missing)
-    if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
-        cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
-                 "'org/name'")  # fmt: skip
-    if is_diffusers(args.model):
-        from worlds import diffusersworld
-
-        check_rewards(args, names, judges)  # a diffusers model: no toy reward
-        try:
-            diffusersworld.check(args)  # --prompts-file, --eval-prompts-file
-        except diffusersworld.BadInput as e:
-            cli.fail(e.flag, str(e))
-    if args.resume and not args.profile and rank0:
-        rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
-    args.out = args.out or os.path.join(
-        "runs",
-        time.strftime("%Y%m%d-%H%M%S")
-        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
-    )
-    rank, device = init_processes(args, distributed)
-    rundir.check_shared_folder(args, rank)  # every rank sees rank 0's --out: else exit 2
-    world = load_world(args, device)
-    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
-        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
-                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
-    held = len(world.eval_prompts) * args.eval_seeds
-    if args.shard and held % world_size:  # sharded forwards are collectives: equal shares
-        cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {len(world.eval_prompts)}"
-                 f" held-out prompts × --eval-seeds {args.eval_seeds} is not a multiple of "
-                 f"{world_size} processes")  # fmt: skip
-    if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md); the models
-        # were built on the meta device and get their shards' weights once sharded (load_shards)
-        shard_models(world.shardable(), device, resolve_precision(args, device),
-                     load=world.load_shards)  # fmt: skip
-    elif distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
-    scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
-    for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
-        try:  # a reward model missing (file, package, hub access) is bad input too
-            scorers.update({n: rewards.get(n, device) for n in group})
-        except (ImportError, OSError, ValueError) as e:
-            cli.fail(flag, f"could not load a reward model: {e}")
-    reward_fns = {n: scorers[n] for n in names}
-    params = [p for p in world.trainable.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    sigmas = world.sigmas(args.steps)
-    return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
-               optimizer)  # fmt: skip
+# =============================================================================================
+# The method, phase by phase. The run's harness (flags' checks, loading, eval, logging,
+# checkpoints) is harness.py; the two fused kernels are kernels/.
+# =============================================================================================
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,22 +209,21 @@ def sample(velocity, noise: torch.Tensor, cond, sigmas: torch.Tensor):
     return x, torch.stack(preds)
 
 
-def rollout(run: "Run", epoch: int):
+def rollout(run: Run, epoch: int):
     """P prompts × G images from the old policy; this rank samples its share of the groups.
     Returns every rank's prompts, this rank's prompts, x0 (n, C, H, W) and x̂0 (T, n, C, H, W)."""
     args, world, G = run.args, run.world, run.args.group_size
-    P_local = args.prompts // run.world_size
     g_prompts, g_noise = epoch_generator(args.seed, epoch, 0), epoch_generator(args.seed, epoch, 1)
     idx = torch.randint(len(world.train_prompts), (args.prompts,), generator=g_prompts)
     prompts = [world.train_prompts[i] for i in idx]  # every rank's, rank-major
     noise = torch.randn(args.prompts * G, *world.latent_shape, generator=g_noise)
-    mine = slice(run.rank * P_local, (run.rank + 1) * P_local)
+    mine = run.share(args.prompts)  # this rank's prompt groups
     my_noise = noise[mine.start * G : mine.stop * G].to(world.device)
     my_cond = world.encode(prompts[mine])  # per prompt: image n belongs to prompt n // G
     old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
-    x0, preds = [], []
-    for s in tqdm(range(0, P_local * G, args.batch_size), f"epoch {epoch} rollout", **run.bar):
-        n = torch.arange(s, min(s + args.batch_size, P_local * G), device=world.device)
+    x0, preds, n_images = [], [], len(my_noise)
+    for s in tqdm(range(0, n_images, args.batch_size), f"epoch {epoch} rollout", **run.bar):
+        n = torch.arange(s, min(s + args.batch_size, n_images), device=world.device)
         x, pred = sample(old, my_noise[n], tuple(c[n // G] for c in my_cond), run.sigmas)
         x0.append(x)
         preds.append(pred)
@@ -502,17 +231,57 @@ def rollout(run: "Run", epoch: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Phase 2 — rewards → optimality probabilities (DESIGN §3)
+# Phase 2 — rewards → optimality probabilities r (DESIGN §3)
 # ---------------------------------------------------------------------------------------------
 def score_all(reward_fns: dict, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
     """(K, B) scores, one row per reward; NaN/inf is an error naming the reward and the prompt."""
     return torch.stack([rewards.score(n, fn, images, prompts) for n, fn in reward_fns.items()])
 
 
-def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
-    """r (K, N) per reward and group: in [0, 1] with --normalize per-reward, scaled by the
-    λ-weighted sum's spread with joint and by each reward's pooled spread with batch (the loss
-    clamps the mix); with --weighting sum, DiffusionNFT's single reward Σ_k λ_k s_k (1, N)."""
+def group_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float = 5.0):
+    """--normalize per-reward: r (..., N) of scores (..., N) in groups of G images, each reward
+    on its own scale. A = (s - mean_group s) / (std_group s + 1e-4), clipped to ±A_max;
+    r = 1/2 + A / (2 A_max) ∈ [0, 1]. A group whose scores are all equal has A = 0, r = 1/2."""
+    s = final.unflatten(-1, (-1, group_size))  # (..., M, G)
+    centred = s - s.mean(-1, keepdim=True)
+    std = s.std(-1, correction=0, keepdim=True)
+    adv = (centred / (std + 1e-4)).clamp(-adv_clip_max, adv_clip_max)
+    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, unlike std == 0
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
+
+
+def joint_optimality(final: torch.Tensor, lam: torch.Tensor, group_size: int,
+                     adv_clip_max: float = 5.0) -> torch.Tensor:  # fmt: skip
+    """--normalize joint (the default): r (K, N), each reward's centred scores divided by the
+    group spread of the λ-weighted sum Σ_k λ_k s_k instead of its own:
+    A_k = (s_k - mean_group s_k) / (std_group Σ_k λ_k s_k + 1e-4), r_k = 1/2 + A_k / (2 A_max).
+    Not clipped per reward: Σ_k λ_k A_k is the summed reward's advantage, and the loss clamps the
+    mix r̄ to [0, 1], so W = λ/T gives the summed reward's r̄ exactly. A group whose summed score
+    is constant gets r = 1/2 for every reward, as the summed reward does."""
+    summed = (lam.to(final) @ final).unflatten(-1, (-1, group_size))  # (M, G)
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    std = summed.std(-1, correction=0, keepdim=True)
+    adv = (s - s.mean(-1, keepdim=True)) / (std + 1e-4)
+    flat = summed.amax(-1, keepdim=True) == summed.amin(-1, keepdim=True)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
+
+
+def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float = 5.0):
+    """--normalize batch: A_k = (s_k - mean_group s_k) / (σ_k + 1e-4), with σ_k the within-group
+    spread of reward k pooled over the whole batch, every rank's groups (`final` is gathered):
+    √(mean over groups of the group variance). One scale per reward, so λ weighs rewards brought
+    to one scale, and a reward's flat groups stay flat. Not clipped per reward, as under joint."""
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    centred = s - s.mean(-1, keepdim=True)
+    pooled = centred.pow(2).mean((-2, -1), keepdim=True).sqrt()  # (K, 1, 1)
+    return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
+
+
+def optimality(run: Run, final: torch.Tensor) -> torch.Tensor:
+    """r (K, N) of every rank's final scores (K, N) under --normalize; with --weighting sum,
+    DiffusionNFT's single reward Σ_k λ_k s_k, normalised per group (1, N)."""
     G, A = run.args.group_size, run.args.adv_clip_max
     if run.args.weighting == "sum":
         return group_optimality((run.lam.to(final) @ final)[None], G, A)
@@ -523,68 +292,8 @@ def optimality(run: "Run", final: torch.Tensor) -> torch.Tensor:
     return group_optimality(final, G, A)
 
 
-def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
-    """--normalize batch (DESIGN §3): A_k = (s_k - mean_group s_k) / (σ_k + 1e-4), with σ_k the
-    within-group spread of reward k pooled over the whole batch, every rank's groups (`final` is
-    gathered): √(mean over groups of the group variance). One scale per reward, so λ weighs
-    rewards brought to one scale, and a reward's flat groups stay flat. Not clipped per reward,
-    as under joint: with W = λ/T the mix is the advantage of Σ_k λ_k s_k/σ_k, the clamp included."""
-    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
-    centred = s - s.mean(-1, keepdim=True)
-    pooled = centred.pow(2).mean((-2, -1), keepdim=True).sqrt()  # (K, 1, 1)
-    return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
-
-
-def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
-    """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
-    the within-group spread of its advantage A_k under `normalize` (joint: its raw spread over the
-    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies),
-    summed to 1. The signal ReCAST distributes over timesteps is λ's only under per-reward and
-    batch; under joint (and --weighting sum) raw scale weighs in too (DESIGN §3)."""
-    s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
-    spread = s.std(-1, correction=0)  # (K, M)
-    lam = lam.to(s)
-    if normalize == "joint":
-        spread = spread / (torch.einsum("k,kmg->mg", lam, s).std(-1, correction=0) + 1e-4)
-    elif normalize == "batch":
-        spread = spread / (spread.pow(2).mean(-1, keepdim=True).sqrt() + 1e-4)
-    else:
-        spread = spread / (spread + 1e-4)
-    weight = lam * spread.mean(-1)
-    total = weight.sum()
-    return weight / total if total > 0 else torch.zeros_like(weight)
-
-
-def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
-    """Say once a run that a reward is constant in every group (K, M, G) of an epoch: it trains
-    nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3)."""
-    flat = (groups.amax(2) == groups.amin(2)).all(1)
-    for k in flat.nonzero().flatten().tolist():
-        if run.names[k] not in run.flat_said:
-            run.flat_said.add(run.names[k])
-            run.log(f"note: reward {run.names[k]} is constant in every group at epoch {epoch}: it "
-                    "trains nothing while it stays so (said once a run)")  # fmt: skip
-
-
-def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, W: torch.Tensor) -> dict:
-    """What the loss (DESIGN §6) will make of r and W this epoch, for the log: clamp/share, the
-    share of (image, timestep) pairs whose mix r̄ = Σ_k W_k,i r_k / Σ_k W_k,i is clamped to
-    [0, 1]; adv/max/<reward>, each row's largest |A| = 2 A_max |r - 1/2| (one row 'sum' with
-    --weighting sum); share/<reward>, signal_share of the epoch's final scores."""
-    Wt = train_weights(run, W).to(r)
-    mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
-    out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
-    rows = ["sum"] if run.args.weighting == "sum" else run.names
-    adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
-    out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
-    norm = "joint" if run.args.weighting == "sum" else run.args.normalize  # sum: joint's signal
-    share = signal_share(final, run.lam, run.args.group_size, norm)
-    out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
-# Phase 3 — step scores, gains (DESIGN §4) and the weight matrix W (DESIGN §5)
+# Phase 3 — step scores and their gains (DESIGN §4), the weight matrix W (DESIGN §5)
 # ---------------------------------------------------------------------------------------------
 def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.Tensor:
     """(K, T+1, n): reward k on each step prediction x̂0_i and (column T) the final scores. The
@@ -593,7 +302,7 @@ def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.
     return torch.stack([torch.zeros_like(steps[0]), *steps, final], 1)
 
 
-def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
+def score_steps(run: Run, preds, final, per_image) -> torch.Tensor:
     """trajectory_scores of --gain-frac of the epoch's groups (cli.scored_groups: the same groups
     on any number of ranks; a rank may score fewer than another, or none), under bf16 autocast
     with --score-precision bf16; every rank's, in the groups' order."""
@@ -610,7 +319,53 @@ def score_steps(run: "Run", preds, final, per_image) -> torch.Tensor:
     return distributed.gather_uneven(scores, [len(share(r)) * G for r in range(run.world_size)])
 
 
-def weights(run: "Run", step_scores, gains_ema, metrics: dict):
+# The gains g_k,i = D_k,i+1 - D_k,i of the Rényi discriminability D_k,i (how far step i's
+# prediction already tells the reward-tilted policy from the current one) are renyi_gains, a
+# fused Triton kernel (kernels/renyi.py; its docstring and reference_renyi_gains write D out).
+
+
+def shift_gains(gains: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """The gains as W's columns read them (--gain-shift S): column i holds g_k,i-S; the first S
+    columns get no gain and the last S gains are dropped. S = 0 returns `gains` itself."""
+    if not 0 <= shift < gains.shape[1]:
+        raise ValueError(f"shift must be in [0, T) = [0, {gains.shape[1]}), got {shift}")
+    if shift == 0:
+        return gains
+    return torch.cat([gains.new_zeros(gains.shape[0], shift), gains[:, :-shift]], 1)
+
+
+def gain_profiles(gains: torch.Tensor, floor: float = 0.1, shift: int = 0) -> torch.Tensor:
+    """p_k,i = (1 - ε_f)·g⁺_k,i-S / Σ_i g⁺_k,i-S + ε_f / T (negative gains clipped; a reward
+    without positive gain is flat): where reward k's information arrives, a profile over steps."""
+    g = shift_gains(gains.double(), shift).clamp(min=0)  # (K, T)
+    total = g.sum(1, keepdim=True)
+    shape = torch.where(total > 0, g / total.clamp(min=1e-300), 1 / g.shape[1])
+    return (1 - floor) * shape + floor / g.shape[1]
+
+
+def recast_weights(gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1,
+                   shift: int = 0) -> torch.Tensor:  # fmt: skip
+    """W (K, T): the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums
+    1/T, in the log domain and float64 (returned fp32, on the CPU): the entropic transport plan
+    that puts each reward's budget where its gains are. Rows with λ_k = 0 stay 0."""
+    K, T = gains.shape
+    lam = lam.double().cpu()
+    lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
+    live = lam > 0
+    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor, shift)[live].log() / tau
+    log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
+    u, v = torch.zeros(int(live.sum()), dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
+    for _ in range(10_000):  # columns are exact after each sweep; stop when the rows are too
+        u = log_rows - torch.logsumexp(log_m + v, 1)
+        v = log_cols - torch.logsumexp(log_m + u[:, None], 0)
+        if (torch.logsumexp(log_m + u[:, None] + v, 1).exp() - lam[live]).abs().max() < 1e-12:
+            break
+    W = torch.zeros(K, T, dtype=torch.float64)
+    W[live] = (log_m + u[:, None] + v).exp()
+    return W.float()
+
+
+def weights(run: Run, step_scores, gains_ema, metrics: dict):
     """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
     epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns
     (W, gains_ema)."""
@@ -634,20 +389,44 @@ def weights(run: "Run", step_scores, gains_ema, metrics: dict):
 # ---------------------------------------------------------------------------------------------
 # Phase 4 — the NFT update, each (image, timestep) pair with its own r̄ (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
-def train_weights(run: "Run", W: torch.Tensor) -> torch.Tensor:
+def nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max,
+                      v_ref=None, kl_coef=0.0) -> torch.Tensor:  # fmt: skip
+    """DESIGN §6 written out: N pairs, image n noised to timestep t_n (W's column i_n), r (N, K).
+    The loop trains with its drop-in recast_kernels.nft_loss.nft_loss (same arguments, the value
+    and gradient to float rounding: test_method.py), one fused pass instead of these tensors."""
+    N, T, dtype = v_theta.shape[0], W.shape[1], v_theta.dtype
+    v_theta = v_theta.reshape(N, -1)
+    v_old, x0, noise = (x.detach().reshape(N, -1) for x in (v_old, x0, noise))
+    w = W.detach().to(dtype)[:, t_index].T  # (N, K): each pair's column of W
+    c = w.sum(1)  # (N,): 1/T when W's columns sum to 1/T
+    mix = torch.minimum((w * r.detach().to(dtype)).sum(1).clamp_min(0), c)  # r̄·c, in [0, c]
+    t = t.detach().to(dtype)[:, None]  # (N, 1)
+    x_t = (1 - t) * x0 + t * noise  # the pair's noised image (flow matching, DESIGN §1)
+    v_pos = beta * v_theta + (1 - beta) * v_old  # the positive policy, towards high r
+    v_neg = (1 + beta) * v_old - beta * v_theta  # the negative one, its mirror about v_old
+    e_pos = (x_t - t * v_pos) - x0  # each policy's error on the clean image
+    e_neg = (x_t - t * v_neg) - x0
+    w_pos = e_pos.detach().abs().mean(1).clamp_min(1e-5)  # adaptive weights: mean |error|
+    w_neg = e_neg.detach().abs().mean(1).clamp_min(1e-5)
+    loss_pos = (e_pos**2).mean(1) / w_pos
+    loss_neg = (e_neg**2).mean(1) / w_neg
+    per_pair = T * (mix * loss_pos + (c - mix) * loss_neg) / beta  # r̄ to +, 1 - r̄ to -
+    loss = adv_clip_max * per_pair.mean()
+    if v_ref is not None:  # κ·mean((v_θ - v_ref)²): a KL to the frozen base model
+        loss = loss + kl_coef * ((v_theta - v_ref.detach().reshape(N, -1)) ** 2).mean()
+    return loss
+
+
+def train_weights(run: Run, W: torch.Tensor) -> torch.Tensor:
     """The W the loss reads, rows matching r: --weighting sum trains its one reward with 1/T."""
     return W.new_full((1, run.args.steps), 1 / run.args.steps) if run.args.weighting == "sum" else W
 
 
-def pair_loss(world: World, args: Args, sigmas, x0, cond, r, W, n, i, eps, loss_fn=None,
-              observe=nullcontext):  # fmt: skip
-    """DESIGN §6 on one micro-batch of (image, timestep) pairs: images n of x0 (every rank's)
-    noised to their timesteps i with fresh ε (eps), the trained, old and reference policies'
-    velocities, and the loss with each pair's column of W. `loss_fn` is the fused kernel unless
-    given (benchmarks/memory_plan.py passes its PyTorch reference where the kernel cannot run);
-    `observe` is Run.observe, entered around the loss alone."""
-    loss_fn = loss_fn or nft_loss
-    t, eps, G = sigmas[i], eps.to(world.device), args.group_size
+def pair_loss(run: Run, x0, cond, r, W, n, i, eps) -> torch.Tensor:
+    """The loss of one micro-batch of pairs: images n of x0 (every rank's) noised to their
+    timesteps i with fresh ε (eps), the trained, old and reference policies' velocities there."""
+    world, args = run.world, run.args
+    t, eps, G = run.sigmas[i], eps.to(world.device), args.group_size
     tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout: images or packed tokens
     x_t = (1 - tt) * x0[n] + tt * eps
     c = tuple(cc[n // G] for cc in cond)
@@ -655,16 +434,16 @@ def pair_loss(world: World, args: Args, sigmas, x0, cond, r, W, n, i, eps, loss_
     with torch.no_grad():
         v_old = world.v("old", x_t, c, t)
         v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
-    with observe("loss"):
-        return loss_fn(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
-                       args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+    loss = run.nft_loss or nft_loss  # the fused kernel: nft_loss_readable's drop-in
+    with run.observe("loss"):
+        return loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
+                            args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
 
 
-def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
+def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
     """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
-    index, in micro-batches of --batch-size pairs, --grad-accum of them per optimizer step.
-    `nft_loss` is the fused kernel; `reference_nft_loss` in kernels/nft_loss.py is the same loss
-    in a few lines of PyTorch. Returns (mean loss over every rank, optimizer steps so far)."""
+    index, in micro-batches of --batch-size pairs (each rank its share), --grad-accum of them per
+    optimizer step. Returns (mean loss over every rank, optimizer steps so far)."""
     args, world, T = run.args, run.world, run.args.steps
     W_train, device = train_weights(run, W).to(world.device), world.device
     g_train = epoch_generator(args.seed, epoch, 2)
@@ -676,20 +455,17 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
     for s in tqdm(range(0, len(pairs), args.batch_size), f"epoch {epoch} update", **run.bar):
         batch = pairs[s : s + args.batch_size]
         step_end = min(s - s % per_step + per_step, len(pairs))  # this optimizer step's end
-        step_pairs = step_end - (s - s % per_step)
         eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
-        mine = slice(run.rank * len(batch) // run.world_size,
-                     (run.rank + 1) * len(batch) // run.world_size)  # fmt: skip
+        mine = run.share(len(batch))  # this rank's pairs of the micro-batch
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
-        loss = pair_loss(world, args, run.sigmas, x0, cond, r, W_train, n, i, eps[mine],
-                         observe=run.observe)  # fmt: skip
+        loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine])
         if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
             raise FloatingPointError(
                 f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
                 f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
             )
-        with run.observe("backward"):  # the step's gradient: mean over its pairs
-            (loss * len(batch) / step_pairs).backward()
+        with run.observe("backward"):  # the step's gradient: the mean over its pairs
+            (loss * len(batch) / (step_end - (s - s % per_step))).backward()
         losses.append(loss.detach())
         if s + len(batch) == step_end:  # the step's last micro-batch
             torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
@@ -700,164 +476,20 @@ def nft_update(run: "Run", epoch: int, prompts, x0, r, W, opt_steps: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Phase 5 — the old policy is an EMA of the trained weights (DESIGN §6): world.update_old
-# Phase 6 — eval on held-out prompts with fixed noise, log, pictures, checkpoint
+# Phase 5 — the old (sampling) policy follows the trained one (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
-EVAL_SEED = 20260929  # the same eval noise for every run, so runs compare on the same images
-
-
-@torch.no_grad()
-def evaluate(
-    world,
-    scorers: dict,
-    prompts: list[str],
-    noise: torch.Tensor,
-    sigmas,
-    chunk: int,
-    which="policy",
-):
-    """Mean score per reward/judge of the given policy on (prompts × noise), and the images."""
-    images = []
-    for s in range(0, len(prompts), chunk):
-        cond = world.encode(prompts[s : s + chunk])
-        x0, _ = sample(
-            lambda x, c, t: world.v(which, x, c, t),
-            noise[s : s + chunk].to(world.device),
-            cond,
-            sigmas,
-        )
-        images.append(world.decode(x0))
-    images = torch.cat(images)
-    return {name: rewards.score(name, fn, images, prompts) for name, fn in scorers.items()}, images
-
-
-class EvalSet:
-    """The held-out prompts × --eval-seeds with fixed noise (each rank scores a share), the
-    ideal rendering's scores where the world has one, and the base model's (epoch 0)."""
-
-    def __init__(self, run: "Run", history: list[dict]):
-        args, world, ws = run.args, run.world, run.world_size
-        self.run = run
-        prompts = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
-        noise = torch.randn(len(prompts), *world.latent_shape,
-                            generator=torch.Generator().manual_seed(EVAL_SEED))  # fmt: skip
-        share = slice(run.rank * len(prompts) // ws, (run.rank + 1) * len(prompts) // ws)
-        self.prompts, self.noise = prompts[share], noise[share]
-        self.start, self.index = share.start, {  # what OUT/eval_images/ says of its images
-            "prompts": prompts, "eval_seeds": args.eval_seeds, "eval_seed": EVAL_SEED,
-            "noise_sha256": eval_images.noise_digest(noise)}  # fmt: skip
-        self.ideal = world.ideal(self.prompts)  # None where there is no ideal rendering
-        self.ideal_eval = None if self.ideal is None else {
-            k: mean_all(rewards.score(k, fn, self.ideal, self.prompts).to(world.device))
-            for k, fn in run.scorers.items()
-        }  # fmt: skip
-        self.base_images = None
-        if history:  # resumed: the base model's scores are in the first line of metrics.jsonl
-            self.base = {k[5:]: v for k, v in history[0].items() if k.startswith("eval/")}
-            return
-        self.base, self.base_images = self.score("ref")
-        history.append({"epoch": 0, **{f"eval/{k}": v for k, v in self.base.items()}})
-        if self.ideal is not None:
-            history[0].update({f"ideal/{k}": v for k, v in self.ideal_eval.items()})
-        if run.rank == 0:
-            checkpoints.append_metrics(args.out, history[0])
-        run.log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in self.base.items()))
-
-    def score(self, which: str = "policy", scorers: dict | None = None):
-        """({name: mean over every rank}, this rank's images) of the policy `which`."""
-        run = self.run
-        scorers = run.scorers if scorers is None else scorers
-        means, images = evaluate(run.world, scorers, self.prompts, self.noise, run.sigmas,
-                                 run.args.batch_size, which)  # fmt: skip
-        return {k: mean_all(v.to(run.world.device)) for k, v in means.items()}, images
-
-    def __call__(self, epoch: int, metrics: dict) -> None:
-        """Eval the trained policy into `metrics` (eval/*, gap/*), keep its images in
-        OUT/eval_images/ and draw samples.png."""
-        ev, images = self.score()
-        index = {"epoch": epoch, **self.index}
-        eval_images.save(self.run.args.out, images, self.start, index, self.run.rank)
-        metrics.update({f"eval/{k}": v for k, v in ev.items()})
-        if self.ideal is not None:  # fraction of the base → ideal-rendering gap closed
-            span = {k: self.ideal_eval[k] - self.base[k] for k in ev}  # 0: nothing left to close
-            gap = {k: (ev[k] - self.base[k]) / span[k] if span[k] else 0.0 for k in ev}
-            metrics.update({f"gap/{k}": v for k, v in gap.items()})
-            lam, names = self.run.lam, self.run.names
-            metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
-        if self.base_images is None and (self.run.rank == 0 or self.run.args.shard):
-            _, self.base_images = self.score("ref", {})  # resumed: redraw, unscored (sharded
-            # forwards are collectives: every rank draws, rank 0 keeps them)
-        if self.run.rank == 0:
-            save_samples(self.run.args, self.base_images, images, self.ideal,
-                         self.run.world.eval_prompts, epoch)  # fmt: skip
-
-
-def save_samples(args, base_images, latest_images, ideal, eval_prompts, epoch) -> None:
-    """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
-    held = len(latest_images) // args.eval_seeds  # held-out prompts in this rank's share
-    rows = min(8, held)  # evenly spaced through the sorted list: several colours, shapes, places
-    pick = [round(j * (held - 1) / max(1, rows - 1)) for j in range(rows)]
-    seeds = [p * args.eval_seeds + s for p in pick for s in range(args.eval_seeds)]
-    panels = {"base model": base_images[seeds], f"epoch {epoch}": latest_images[seeds]}
-    if ideal is not None:
-        panels["ideal"] = ideal[[p * args.eval_seeds for p in pick]]
-    plots.save_samples_figure(
-        os.path.join(args.out, "samples.png"), panels, [eval_prompts[p] for p in pick]
-    )
-
-
-def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
-    """The one fixed-format line per epoch."""
-    parts = [
-        f"epoch {m['epoch']:3d}",
-        " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
-    ]
-    parts.append(f"loss {m['loss']:.4f}")
-    parts.append(
-        "centroid(W) " + " ".join(f"{c:.1f}" for c in timestep_centroid(W.double()).tolist())
-    )
-    if "gap/weighted" in m:
-        parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
-    parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
-    return " | ".join(parts)
-
-
-def save_epoch(run: Run, m: dict, W, gains_ema, opt_steps: int, history: list, last: bool):
-    """Refuse a non-finite metric; append metrics.jsonl, redraw W.png, checkpoint (rank 0)."""
-    args, epoch = run.args, m["epoch"]
-    bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
-    if bad:
-        raise FloatingPointError(
-            f"{bad[0]} is {m[bad[0]]} at epoch {epoch}; "
-            f"the last good checkpoint in {args.out}/ckpt is kept"
-        )
-    history.append(m)
-    saving = epoch % args.ckpt_every == 0 or last
-    if saving:  # every rank: a sharded run gathers the shards here
-        tensors = run.world.state_dict()
-        optim = distributed.optimizer_state(run.world.trainable, run.optimizer, args.shard)
-    if run.rank == 0:
-        checkpoints.append_metrics(args.out, m)
-        profiles = (
-            None if gains_ema is None else gain_profiles(gains_ema, args.floor, args.gain_shift)
-        )
-        plots.save_weights_figure(
-            os.path.join(args.out, "W.png"), W, profiles, run.lam, run.names, run.sigmas.cpu(),
-            f"epoch {epoch}  ·  --weighting {args.weighting}",
-        )  # fmt: skip
-        if run.views:
-            run.views.epoch(m, args.out)
-        if saving:
-            gains_list = gains_ema.tolist() if gains_ema is not None else None
-            state = {"opt_steps": opt_steps, "gains_ema": gains_list}
-            checkpoints.save(args.out, epoch, tensors, optim, state)
-    run.log(log_line(m, run.names, W))
+def update_old(run: Run, opt_steps: int) -> float:
+    """θ_old ← d·θ_old + (1 - d)·θ with d = min(--decay-rate · optimizer steps, --decay-cap): the
+    old policy starts as a copy and lags more as training goes on. Returns d."""
+    decay = min(run.args.decay_rate * opt_steps, run.args.decay_cap)
+    run.world.update_old(decay)  # the toy model's weights, or the "old" LoRA adapter
+    return decay
 
 
 # ---------------------------------------------------------------------------------------------
 # --profile: one rollout, its step predictions scored, the gains and W, and no training
 # ---------------------------------------------------------------------------------------------
-def profile(run: "Run") -> None:
+def profile(run: Run) -> None:
     """--profile: the base model's (or --resume's latest policy's) rollout of one epoch, every
     step prediction scored by every reward (DESIGN §4), and what plumbing/reward_profile.py makes
     of the gains (profiles and W of DESIGN §5 with their bootstrap spread): printed, and written
@@ -876,9 +508,14 @@ def profile(run: "Run") -> None:
     final = score_all(run.reward_fns, world.decode(x0), per_image)
     step_scores = score_steps(run, preds, final, per_image)  # (K, T+1, every rank's scored)
     D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)
-    p = reward_profile.report(step_scores, D, gains, run.lam, run.names, args, source)
+
+    def w_of(g, lam):  # the gains' profiles and W (DESIGN §5), float64
+        W = recast_weights(g, lam, args.tau, args.floor, args.gain_shift)
+        return gain_profiles(g, args.floor, args.gain_shift), W.double()
+
+    p = reward_profile.report(step_scores, D, gains, run.lam, run.names, args, source, w_of)
     p["normalize"] = "joint" if args.weighting == "sum" else args.normalize  # sum: joint's signal
-    p["share"] = signal_share(step_scores[:, -1], run.lam, G, p["normalize"]).tolist()
+    p["share"] = harness.signal_share(step_scores[:, -1], run.lam, G, p["normalize"]).tolist()
     p["seconds"] = time.perf_counter() - tic
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -906,15 +543,15 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
         from plumbing import export
 
         return export.main(sys.argv[1:] if argv is None else argv)
-    run = setup(argv)  # flags, processes, world, rewards, optimizer: bad input exits 2 first
-    run.observe = observe
+    run = harness.setup(Args, argv, __doc__)  # flags, processes, world, rewards, optimizer: bad
+    run.observe = observe  # input exits 2 before anything is written
     if run.args.profile:  # before training: where is each reward informative?
         return profile(run)
     args, world, names, G = run.args, run.world, run.names, run.args.group_size
     ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
     with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1 naming the checkpoint
-        evals = EvalSet(run, history)  # fixed held-out set; the base model scored at epoch 0
+        evals = harness.EvalSet(run, history, sample)  # fixed held-out set; base model: epoch 0
         distributed.start_training()  # collectives: RECAST_COLLECTIVE_TIMEOUT from here on
         if tblog.targets(args.log) and run.rank == 0:  # TensorBoard, wandb: metrics.jsonl's views
             run.views = tblog.Views(tblog.targets(args.log), args.out, dict(vars(args)))
@@ -939,13 +576,12 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
             g = final.view(len(names), -1, G)  # a constant group: max = min (DESIGN §4)
             m["groups/constant"] = int((g.amax(2) == g.amin(2)).sum())
-            note_flat_rewards(run, g, epoch)
-            m["W"] = W.tolist()
-            m.update(mix_stats(run, final, r, W))  # clamped pairs, largest |A|, signal shares
+            harness.note_flat_rewards(run, g, epoch)
+            m["W"] = W.tolist()  # below: clamped pairs, largest |A|, each reward's signal share
+            m.update(harness.mix_stats(run, final, r, train_weights(run, W)))
             with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)
                 m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
-            m["decay"] = min(args.decay_rate * opt_steps, args.decay_cap)  # 5. old policy (§6)
-            world.update_old(m["decay"])
+            m["decay"] = update_old(run, opt_steps)  # 5. the old policy follows (DESIGN §6)
             if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
                 # (--shard: each element of θ and θ_old lives on one rank only, in its shard, and
                 # gathering them would move the whole state every epoch: nothing to compare. What
@@ -958,7 +594,9 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                 with run.phase(m, "eval"):
                     evals(epoch, m)
             with run.observe("save"):  # metrics.jsonl, W.png, checkpoint
-                save_epoch(run, m, W, gains_ema, opt_steps, history, last)
+                profiles = None if gains_ema is None else gain_profiles(
+                    gains_ema, args.floor, args.gain_shift)  # fmt: skip
+                harness.save_epoch(run, m, W, gains_ema, profiles, opt_steps, history, last)
             if stop.signum:  # the same on every rank: they stop after the same epoch
                 run.log(f"stopped after epoch {epoch}; continue: "
                         f"{checkpoints.resume_command(args.out)}")  # fmt: skip

@@ -48,12 +48,14 @@ def _swap(prompts, slot, choices):
 FOLDERS = ("kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
 # Layers, lowest first: a module imports modules of its own layer or lower ones only. The
 # rewards measure the toy world's pictures, so they sit above the worlds; the worlds, the rewards
-# and the kernels are the leaves of recast.py. recast_kernels.py is the name kernels/ is imported
+# and the kernels are the leaves of recast.py, and harness.py (the run around the method) sits
+# between them and recast.py. recast_kernels.py is the name kernels/ is imported
 # under (its `__path__`): recast_kernels.X is kernels/X.py.
 LAYERS = [
     ("kernels.", "recast_kernels"),
     ("plumbing", "plumbing.", "worlds", "worlds."),
     ("rewards",),
+    ("harness",),
     ("recast",),
     ("benchmarks", "benchmarks.", "studies", "studies.", "examples", "examples."),
 ]
@@ -530,6 +532,7 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
     """The base model draws the right prompt (far above chance on position, colour and overlap) and
     leaves headroom on every reward (far below the ideal rendering): reinforcement has room."""
     world = toy_world
+    import harness
     import recast
 
     prompts = [p for p in P for _ in range(2)]
@@ -538,7 +541,8 @@ def test_base_model_samples_between_chance_and_ideal(toy_world):
     )
     names = [*world.reward_names, *world.judge_names]
     scorers = {n: rewards.get(n, world.device) for n in names}
-    base, images = recast.evaluate(world, scorers, prompts, noise, world.sigmas(10), 64, "ref")
+    base, images = harness.evaluate(recast.sample, world, scorers, prompts, noise,
+                                    world.sigmas(10), 64, "ref")  # fmt: skip
     assert images.shape == (len(prompts), 3, tw.SIZE, tw.SIZE)
     ideal = {n: fn(tw.render(prompts), prompts).mean().item() for n, fn in scorers.items()}
     base = {n: v.mean().item() for n, v in base.items()}
@@ -625,8 +629,8 @@ def test_single_reward_uniform_loss_is_diffusionnft():
 def test_joint_normalisation_with_uniform_w_is_the_summed_reward(adv_clip_max):
     """DESIGN §3: --normalize joint --weighting uniform is --weighting sum's loss and gradient on
     the same batch, to float rounding, clip included (the loss clamps the mix r̄ to [0, 1])."""
+    from recast import group_optimality, joint_optimality
     from recast_kernels.nft_loss import nft_loss
-    from recast_kernels.renyi import group_optimality, joint_optimality
 
     gen = torch.Generator().manual_seed(0)
     K, G, M, T, beta = 4, 8, 6, 10, 0.1
@@ -694,19 +698,19 @@ def test_batch_normalisation_is_one_scale_per_reward_and_uniform_mixes_scaled_sc
 
 def test_signal_share_says_what_lambda_weighs_under_each_normalisation():
     """signal_share (DESIGN §3): λ under per-reward and batch; λ × raw spread under joint."""
-    import recast
+    import harness
 
     gen = torch.Generator().manual_seed(2)
     K, G, M = 2, 8, 16
     scores = torch.tensor([10.0, 0.1])[:, None] * torch.randn(K, G * M, generator=gen)
     lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
     for norm in ("per-reward", "batch"):
-        share = recast.signal_share(scores, lam, G, norm)
+        share = harness.signal_share(scores, lam, G, norm)
         torch.testing.assert_close(share, lam, rtol=0, atol=0.05)
-    joint = recast.signal_share(scores, lam, G, "joint")
+    joint = harness.signal_share(scores, lam, G, "joint")
     assert joint[0] > 0.95 and joint.sum().item() == pytest.approx(1.0)
     flat = torch.zeros(K, G * M, dtype=torch.float64)  # no reward varies: no signal, no NaN
-    assert (recast.signal_share(flat, lam, G, "joint") == 0).all()
+    assert (harness.signal_share(flat, lam, G, "joint") == 0).all()
 
 
 def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path, capsys):
@@ -1151,6 +1155,7 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
 def resumed_without(tmp_path, flag: str):
     """The flags a run made before `flag` existed (its args.json lacks it) resumes with, parsed
     in tmp_path (the working directory)."""
+    import harness
     import recast
     from plumbing import cli
 
@@ -1158,10 +1163,11 @@ def resumed_without(tmp_path, flag: str):
     del saved[flag]
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "args.json").write_text(json.dumps(saved))
-    return cli.parse(recast.Args, ["--out", "old", "--resume"], "", {})
+    return cli.parse(recast.Args, ["--out", "old", "--resume"], "", harness.BEFORE)
 
 
 def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
+    import harness
     import recast
     from plumbing import cli
 
@@ -1169,21 +1175,22 @@ def test_default_shift_is_1_and_0_where_it_means_nothing(tmp_path, monkeypatch):
     assert recast.Args().gain_shift == 1  # the alignment comparison's verdict (docs/results.md)
     lam = ["--lambda", "0.4,0.2,0.2,0.2"]
     for weighting, shift in (("recast", 1), ("reversed", 1), ("uniform", 0), ("sum", 0)):
-        run = recast.setup([*lam, "--weighting", weighting, "--out", weighting])
+        run = harness.setup(recast.Args, [*lam, "--weighting", weighting, "--out", weighting], "")
         assert run.args.gain_shift == shift, weighting
     # a run made before --gain-shift existed (its args.json lacks it) resumes with shift 0
     args = resumed_without(tmp_path, "gain_shift")
     assert args.gain_shift == 0
-    cli.check(args, 1, recast.RESUMABLE)  # no "differs from the run's args.json"
+    cli.check(args, 1, harness.RESUMABLE, harness.BEFORE)  # no "differs from the run's args.json"
     with pytest.raises(SystemExit):  # asking for another shift on resume is still refused
-        cli.check(cli.parse(recast.Args, ["--out", "old", "--resume", "--gain-shift", "1"], "", {}),
-                  1, recast.RESUMABLE)  # fmt: skip
+        cli.check(cli.parse(recast.Args, ["--out", "old", "--resume", "--gain-shift", "1"], "",
+                            harness.BEFORE), 1, harness.RESUMABLE, harness.BEFORE)  # fmt: skip
 
 
 def test_default_normalize_is_joint_for_recast_and_per_reward_for_uniform(tmp_path, monkeypatch):
     """The test of settings 3 and 4 made joint ReCAST's default (docs/results.md's shipping rule);
     uniform keeps per-reward (joint would make it --weighting sum); a given flag wins; a run made
     before the flag resumes per-reward."""
+    import harness
     import recast
     from plumbing import cli
 
@@ -1192,16 +1199,16 @@ def test_default_normalize_is_joint_for_recast_and_per_reward_for_uniform(tmp_pa
     lam = ["--lambda", "0.4,0.2,0.2,0.2"]
     for weighting, normalize in (("recast", "joint"), ("reversed", "joint"),
                                  ("uniform", "per-reward"), ("sum", "per-reward")):  # fmt: skip
-        run = recast.setup([*lam, "--weighting", weighting, "--out", weighting])
+        run = harness.setup(recast.Args, [*lam, "--weighting", weighting, "--out", weighting], "")
         assert run.args.normalize == normalize, weighting
     given = [("recast", "per-reward"), ("uniform", "joint")]
     for weighting, normalize in given:
-        run = recast.setup([*lam, "--weighting", weighting, "--normalize", normalize,
-                            "--out", f"{weighting}-given"])  # fmt: skip
+        flags = [*lam, "--weighting", weighting, "--normalize", normalize, "--out", weighting + "-"]
+        run = harness.setup(recast.Args, flags, "")
         assert run.args.normalize == normalize, weighting
     args = resumed_without(tmp_path, "normalize")
     assert args.normalize == "per-reward"
-    cli.check(args, 1, recast.RESUMABLE)
+    cli.check(args, 1, harness.RESUMABLE, harness.BEFORE)
 
 
 def main_here_faults(capsys, *flags) -> tuple[int, str]:
@@ -1757,13 +1764,14 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
     (on any number of ranks, spread over them) under bf16, unless a flag is given; the toy
     world, uniform weighting and a resumed run (its args.json) are left alone; --profile still
     scores every group."""
+    import harness
     import recast
     from plumbing import cli
     from worlds import sd3world
 
     def resolved(argv, **kw):
         a = recast.Args(**{"model": "org/sd35", **kw})
-        recast.scoring_defaults(a, argv)
+        harness.scoring_defaults(a, argv)
         return a.gain_frac, a.score_precision
 
     assert resolved([], prompts=32) == (0.125, "bf16")

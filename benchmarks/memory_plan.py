@@ -65,6 +65,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,7 @@ sys.path.insert(0, str(ROOT))  # run from anywhere
 import torch  # noqa: E402 (after the path)
 from tqdm import tqdm  # noqa: E402
 
+import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from benchmarks import memtrace, modelzoo  # noqa: E402
@@ -174,19 +176,19 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     if own.shrink and model != "sd35m":
         fail("--shrink", f"shrinks SD3.5-Medium's configurations (sd35m), not {model}")
     full = [*DOCS_COMMAND, *rest]
-    args = cli.parse(recast.Args, full, recast.__doc__, recast.CHOICES)
-    recast.scoring_defaults(args, full)  # the diffusers scoring defaults, as recast.py sets them
-    cli.check(args, own.world_size, recast.RESUMABLE)
+    args = cli.parse(recast.Args, full, recast.__doc__, harness.BEFORE)
+    harness.scoring_defaults(args, full)  # the diffusers scoring defaults, as recast.py sets them
+    cli.check(args, own.world_size, harness.RESUMABLE, harness.BEFORE)
     known = [*rewards.REWARDS, *rewards.LOADERS]
-    names = recast.expand_names("--rewards", args.rewards, known)
+    names = harness.expand_names("--rewards", args.rewards, known)
     cli.parse_lambda(args.lam, names)
-    judges = recast.expand_names("--judges", args.judges, [*known, *rewards.JUDGES], True)
+    judges = harness.expand_names("--judges", args.judges, [*known, *rewards.JUDGES], True)
     if args.profile:
         fail("--profile", "plans a training run; --profile trains nothing")
     if args.shard and own.world_size < 2:
         fail("--shard", "plans one rank of a sharded torchrun run: give --world-size N (N ≥ 2), "
              "or drop --shard")  # fmt: skip
-    recast.check_rewards(args, names, judges)
+    harness.check_rewards(args, names, judges)
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
         diffusersworld.check(args)
@@ -533,7 +535,8 @@ def epoch(run, marks: Marks, bar) -> None:
                                         device=device)  # fmt: skip
         eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(chunk)]
         noise = torch.randn(chunk, *latent)
-        scores, images = recast.evaluate(world, run["scorers"], eval_prompts, noise, sigmas, chunk)
+        scores, images = harness.evaluate(recast.sample, world, run["scorers"], eval_prompts,
+                                          noise, sigmas, chunk)  # fmt: skip
         del scores, images, images_before, noise
     bar.update()
     with marks.phase("save"):  # recast.save_epoch, the epoch's data still held
@@ -571,7 +574,14 @@ def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
     i = torch.randint(len(sigmas) - 1, (B,), device=device)
     eps = torch.randn(B, *world.latent_shape, device=device)
     # the loop's own micro-batch: the fused kernel's operator on a GPU, its reference on the CPU
-    loss = recast.pair_loss(world, args, sigmas, x0, cond, r, W, n, i, eps, run["nft_loss"])
+    loop = types.SimpleNamespace(
+        world=world,
+        args=args,
+        sigmas=sigmas,
+        nft_loss=run["nft_loss"],
+        observe=contextlib.nullcontext,
+    )  # fmt: skip (pair_loss's Run)
+    loss = recast.pair_loss(loop, x0, cond, r, W, n, i, eps)
     with marks.making("temporaries"):
         (loss * B / (B * args.grad_accum)).backward()
         del loss, cond, eps

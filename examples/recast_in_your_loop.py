@@ -21,8 +21,9 @@ if __name__ == "__main__" and DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rewards  # noqa: E402
+from recast import joint_optimality, recast_weights  # noqa: E402
 from recast_kernels.nft_loss import nft_loss  # noqa: E402
-from recast_kernels.renyi import joint_optimality, recast_weights, renyi_gains  # noqa: E402
+from recast_kernels.renyi import renyi_gains  # noqa: E402
 from worlds import toyworld  # noqa: E402
 
 

@@ -1,16 +1,13 @@
-"""Batched Rényi discriminability per (reward, sampler step) and its gains, one launch (DESIGN §4),
-and the weight matrix W built from them (DESIGN §5).
+"""Batched Rényi discriminability per (reward, sampler step) and its gains, one launch (DESIGN §4).
 
 What it computes
 ----------------
 scores (K, T+1, N): reward k on image n's step-i clean prediction (i < T) and on the final image
 (i = T); images come in contiguous groups of G (one prompt each), M = N / G groups. Per reward k:
 
-- Optimality of the final images, per group (group_optimality):
+- Optimality of the final images, per group and per reward (ReCAST's recast.group_optimality):
   A = (s_T - mean) / (std + 1e-4) clipped to ±A_max (population std), r = 1/2 + A / (2 A_max).
-  (joint_optimality, --normalize joint: the same with every reward's centred scores divided by
-  the spread of the λ-weighted sum Σ_k λ_k s_k, unclipped; the gains below always use the
-  reward's own r.)
+  The gains always use each reward's own r, whatever normalisation trains.
 - For each step i, the best linear predictor of r from the step's own scores:
   z = (s_i - mean_group s_i) / (std_group s_T + 1e-4),
   b = Σ z (r - mean_group r) / Σ z²   (pooled over all groups; b = 0 when Σ z² = 0),
@@ -35,15 +32,8 @@ Choices beyond DESIGN.md
   sample itself (Euler's last step) and no advantage is clipped, since then r̂ = r.
 
 Gradient: none (the gains are statistics of the rollout; nothing is differentiated through them).
-
-From gains to W (DESIGN §5; plain PyTorch, no kernel: K·T numbers)
-------------------------------------------------------------------
-gain_profiles: p_k,i = (1 - ε_f)·g⁺_k,i / Σ_i g⁺_k,i + ε_f / T (negative gains clipped; a reward
-with no positive gain is flat). recast_weights(gains, lam, tau=1.0, floor=0.1, shift=0): W (K, T),
-the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums 1/T, in the log
-domain and float64, returned as fp32 on the CPU. shift S (shift_gains) credits g_k,i-S to column
-i instead of g_k,i: the alignment question of DESIGN §4. So this one file takes a trainer from
-step scores to the W that kernels/nft_loss.py consumes.
+What uses them: recast.py turns the gains into the weight matrix W of DESIGN §5 (gain_profiles,
+recast_weights: a few lines of PyTorch on K·T numbers, no kernel).
 
 Dtypes, launch and synchronisation
 ----------------------------------
@@ -73,9 +63,7 @@ implementation makes the same two outputs and launches nothing. torch.compile(fu
 keeps it as one node of its graph (no graph break; D and the gains equal eager's bit for bit), and
 FakeTensorMode and meta tensors run the fake implementation: D (K, T+1) and gains (K, T), fp32,
 no launch, no value read. Meta tensors take this path even where the kernel cannot run (no GPU, no
-TRITON_INTERPRET). group_optimality and the W functions are plain PyTorch and trace as they are
-(recast_weights runs on the CPU in float64 and reads values: it is not meant to be traced). Needs
-torch >= 2.4 (torch.library.custom_op).
+TRITON_INTERPRET). Needs torch >= 2.4 (torch.library.custom_op).
 
 Precision on a GPU
 ------------------
@@ -139,64 +127,12 @@ def _check_adv_clip_max(adv_clip_max: float) -> None:
 
 
 def _group_optimality(s: torch.Tensor, group_size: int, adv_clip_max: float) -> torch.Tensor:
-    """group_optimality without checks."""
+    """r (..., N) of the final scores (..., N): each reward's own per-group optimality."""
     s = s.unflatten(-1, (-1, group_size))  # (..., M, G)
     centred = s - s.mean(-1, keepdim=True)
     std = s.std(-1, correction=0, keepdim=True)
     adv = (centred / (std + _STD_EPS)).clamp(-adv_clip_max, adv_clip_max)
     flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
-    return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
-
-
-def group_optimality(
-    final_scores: torch.Tensor, group_size: int, adv_clip_max: float = 5.0
-) -> torch.Tensor:
-    """DESIGN §3: per-group optimality r ∈ [0, 1] of scores (..., N), in the scores' dtype.
-
-    A group whose scores are all equal gets r = 1/2 exactly. Finiteness is checked on CPU tensors
-    (on CUDA only with CHECK_VALUES; NaN and inf propagate otherwise).
-    """
-    _check_final_scores(final_scores, group_size, adv_clip_max, "(..., N)")
-    return _group_optimality(final_scores, group_size, adv_clip_max)
-
-
-def _check_final_scores(final_scores, group_size: int, adv_clip_max: float, shape: str) -> None:
-    """group_optimality's and joint_optimality's checks; `shape` is "(..., N)" or "(K, N)"."""
-    ndim_ok = isinstance(final_scores, torch.Tensor) and (
-        final_scores.ndim >= 1 if shape == "(..., N)" else final_scores.ndim == 2
-    )
-    if not ndim_ok:
-        raise ValueError(f"final_scores must be a tensor of shape {shape}")
-    if not final_scores.is_floating_point():
-        raise ValueError(f"final_scores must be a float tensor, got {final_scores.dtype}")
-    _check_group_size(final_scores.shape[-1], group_size)
-    _check_adv_clip_max(adv_clip_max)
-    if (final_scores.device.type == "cpu" or CHECK_VALUES) and not _traced(final_scores):
-        if not bool(torch.isfinite(final_scores).all()):
-            raise ValueError("final_scores contains NaN or inf")
-
-
-def joint_optimality(
-    final_scores: torch.Tensor, lam: torch.Tensor, group_size: int, adv_clip_max: float = 5.0
-) -> torch.Tensor:
-    """DESIGN §3, joint normalisation: r (K, N) of scores (K, N), each reward's centred scores
-    divided by the group spread of the λ-weighted sum Σ_k λ_k s_k instead of its own:
-    A_k = (s_k - mean_group s_k) / (std_group Σ_k λ_k s_k + 1e-4), r_k = 1/2 + A_k / (2 A_max).
-
-    Not clipped per reward: Σ_k λ_k A_k is the summed reward's advantage, and the loss clamps the
-    mix r̄ = Σ_k T W_k,i r_k to [0, 1] (the mixed advantage to ±A_max, kernels/nft_loss.py), so
-    W = λ/T gives the summed reward's r̄ exactly, clip included. A group whose summed score is
-    constant gets r = 1/2 for every reward, as the summed reward does.
-    """
-    _check_final_scores(final_scores, group_size, adv_clip_max, "(K, N)")
-    if not isinstance(lam, torch.Tensor) or lam.shape != final_scores.shape[:1]:
-        raise ValueError(f"lam must have shape ({final_scores.shape[0]},), one budget per reward")
-    summed = (lam.to(final_scores) @ final_scores).unflatten(-1, (-1, group_size))  # (M, G)
-    s = final_scores.unflatten(-1, (-1, group_size))  # (K, M, G)
-    std = summed.std(-1, correction=0, keepdim=True)
-    adv = (s - s.mean(-1, keepdim=True)) / (std + _STD_EPS)
-    flat = summed.amax(-1, keepdim=True) == summed.amin(-1, keepdim=True)
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
 
@@ -458,53 +394,6 @@ def renyi_gains(
     if not (scores.is_cuda or scores.is_meta or _INTERPRET):
         return _reference_gains(scores, group_size, alpha, adv_clip_max)
     return _renyi_gains_op(scores, group_size, alpha, adv_clip_max)
-
-
-# ---------------------------------------------------------------------------------------------
-# The weight matrix W (DESIGN §5): plain PyTorch on the host, float64, K·T numbers
-# ---------------------------------------------------------------------------------------------
-def shift_gains(gains: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """The gains as W's columns read them: column i holds g_k,i-S (S = shift); the first S
-    columns get no gain and the last S gains are dropped. S = 0 returns `gains` itself."""
-    if not 0 <= shift < gains.shape[1]:
-        raise ValueError(f"shift must be in [0, T) = [0, {gains.shape[1]}), got {shift}")
-    if shift == 0:
-        return gains
-    return torch.cat([gains.new_zeros(gains.shape[0], shift), gains[:, :-shift]], 1)
-
-
-def gain_profiles(gains: torch.Tensor, floor: float = 0.1, shift: int = 0) -> torch.Tensor:
-    """p_k,i = (1 - ε_f)·g⁺_k,i-S / Σ_i g⁺_k,i-S + ε_f / T; a reward without positive gain is flat.
-    With shift S > 0 the first S columns hold the floor ε_f / T only (DESIGN §4, "alignment")."""
-    g = shift_gains(gains.double(), shift).clamp(min=0)  # (K, T)
-    total = g.sum(1, keepdim=True)
-    shape = torch.where(total > 0, g / total.clamp(min=1e-300), 1 / g.shape[1])
-    return (1 - floor) * shape + floor / g.shape[1]
-
-
-def recast_weights(
-    gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, floor: float = 0.1, shift: int = 0
-) -> torch.Tensor:
-    """W (K, T): the Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ) to row sums λ_k and column sums
-    1/T, in the log domain — the entropic transport plan that puts each reward's budget where its
-    gains are. Rows with λ_k = 0 stay 0. `shift` S credits gain g_k,i-S to column i (0: g_k,i);
-    a column with no gain (i < S) has the same profile ε_f / T for every reward, so its mix is λ
-    reweighted only by the row scalings (near λ)."""
-    K, T = gains.shape
-    lam = lam.double().cpu()
-    lam = lam / lam.sum()  # in float64: the marginals must agree to 1e-12
-    live = lam > 0
-    log_m = lam[live].log()[:, None] + gain_profiles(gains.cpu(), floor, shift)[live].log() / tau
-    log_rows, log_cols = lam[live].log(), torch.full((T,), -math.log(T), dtype=torch.float64)
-    u, v = torch.zeros(int(live.sum()), dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
-    for _ in range(10_000):  # columns are exact after each sweep; stop when the rows are too
-        u = log_rows - torch.logsumexp(log_m + v, 1)
-        v = log_cols - torch.logsumexp(log_m + u[:, None], 0)
-        if (torch.logsumexp(log_m + u[:, None] + v, 1).exp() - lam[live]).abs().max() < 1e-12:
-            break
-    W = torch.zeros(K, T, dtype=torch.float64)
-    W[live] = (log_m + u[:, None] + v).exp()
-    return W.float()
 
 
 if __name__ == "__main__":

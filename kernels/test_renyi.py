@@ -1,7 +1,7 @@
 """Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
-DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), group_optimality, the
-weight matrix W of DESIGN §5 (gain_profiles, recast_weights), and the gains traced (torch.compile,
-FakeTensorMode, meta tensors).
+DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), and the gains traced
+(torch.compile, FakeTensorMode, meta tensors). W, built from the gains in recast.py, is tested in
+test_method.py.
 
 On CPU (the default) the kernel runs in the Triton interpreter, switched on by the repository's
 conftest.py. With RECAST_TEST_DEVICE=cuda it is compiled and run on the GPU; the tolerances below
@@ -9,7 +9,6 @@ hold for both (see `tolerance`).
 """
 
 import contextlib
-import math
 import os
 import re
 
@@ -19,7 +18,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import renyi  # the file beside this one (pytest puts this folder on sys.path)
-from renyi import gain_profiles, recast_weights, shift_gains
 
 DEVICE = torch.device(os.environ.get("RECAST_TEST_DEVICE", "cpu"))
 if DEVICE.type == "cuda" and not torch.cuda.is_available():
@@ -179,18 +177,6 @@ def test_renyi_nonfinite_scores_without_checks_give_nan():
     assert D[1, 0] == 0 and D[1, 1:].isnan().all() and gains[1].isnan().all()
 
 
-def test_group_optimality():
-    scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]], device=DEVICE)
-    r = renyi.group_optimality(scores, 4, adv_clip_max=5.0)
-    assert torch.all(r[0, 4:] == 0.5)  # zero spread
-    g = scores[0, :4]
-    expected = 0.5 + ((g - g.mean()) / (g.std(correction=0) + 1e-4)).clamp(-5, 5) / 10
-    torch.testing.assert_close(r[0, :4], expected)
-    wide = renyi.group_optimality(torch.tensor([0.0] * 30 + [100.0]), 31, adv_clip_max=2.0)
-    assert wide[-1] == 1.0 and wide.min() >= 0.0  # clipped at A_max
-    assert math.isclose(renyi.group_optimality(torch.ones(3), 3)[0].item(), 0.5)
-
-
 def nan_at(scores):
     scores = scores.clone()
     scores[1, 2, 5] = float("nan")
@@ -219,115 +205,6 @@ def test_renyi_bad_inputs(fn_name, name, breaks, monkeypatch):
     kwargs = {"scores": scores, "group_size": 3, **breaks(scores)}
     with pytest.raises(ValueError, match=error_names(name)):
         getattr(renyi, fn_name)(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# gain_profiles and recast_weights: the weight matrix W (DESIGN §5)
-# ---------------------------------------------------------------------------------------------
-LAM = torch.tensor([0.4, 0.2, 0.2, 0.2])
-
-
-def _random_gains(seed, K=4, T=10):
-    return torch.rand(K, T, generator=torch.Generator().manual_seed(seed)) ** 3
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_weights_have_the_marginals(seed):
-    W = recast_weights(_random_gains(seed), LAM)
-    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
-    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
-
-
-def test_weights_ignore_the_scale_of_a_rewards_gains():
-    g = _random_gains(0)
-    scaled = g.clone()
-    scaled[1] *= 37.0
-    assert torch.allclose(recast_weights(g, LAM), recast_weights(scaled, LAM), atol=1e-7)
-
-
-def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
-    static = LAM[:, None].expand(4, 10) / 10
-    same = _random_gains(1, K=1).expand(4, 10)
-    assert torch.allclose(recast_weights(same, LAM), static, atol=1e-7)
-    assert torch.allclose(recast_weights(torch.zeros(4, 10), LAM), static, atol=1e-7)
-    assert torch.allclose(recast_weights(_random_gains(2), LAM, tau=1e6), static, atol=1e-6)
-    assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
-
-
-def test_raising_a_gain_never_lowers_its_own_weight():
-    g = _random_gains(3)
-    for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
-        W0 = recast_weights(g, LAM)[k, i]
-        for factor in (1.5, 3.0, 10.0):
-            up = g.clone()
-            up[k, i] = up[k, i] * factor + 0.01
-            assert recast_weights(up, LAM)[k, i] >= W0 - 1e-7
-
-
-def test_weights_follow_the_gains():
-    gains = torch.zeros(2, 10)
-    gains[0, :3], gains[1, -4:-1] = 1.0, 1.0  # reward 0 informative early, reward 1 late
-    W = recast_weights(gains, torch.tensor([0.5, 0.5]))
-    centre = (W * torch.arange(10.0)).sum(1) / W.sum(1)  # where along the steps each row sits
-    assert centre[0] < 3 < 6 < centre[1]
-    # the last column carries no gain (Euler's last prediction is the sample), so it stays at λ
-    assert torch.allclose(W[:, -1] * 10, torch.tensor([0.5, 0.5]), atol=0.05)
-    prof = gain_profiles(gains, 0.1)
-    assert torch.allclose(prof.sum(1), torch.ones(2, dtype=prof.dtype))
-    assert prof.min() >= 0.1 / 10 - 1e-12
-
-
-def test_zero_budget_reward_gets_no_weight():
-    W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
-    assert W[1].abs().max() == 0
-    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------
-# --gain-shift S: W column i reads the gain of step i - S (DESIGN §4, alignment)
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("seed", range(3))
-def test_shift_0_is_todays_w_bit_for_bit(seed):
-    g = _random_gains(seed)
-    assert torch.equal(recast_weights(g, LAM, shift=0), recast_weights(g, LAM))
-    assert torch.equal(gain_profiles(g, 0.1, shift=0), gain_profiles(g, 0.1))
-
-
-@pytest.mark.parametrize("shift", [1, 2, 5])
-def test_shifted_w_keeps_its_marginals_and_ignores_the_dropped_gains(shift):
-    g = _random_gains(shift)
-    W = recast_weights(g, LAM, shift=shift)
-    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
-    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
-    # the columns with no gain have the same profile (the floor) for every reward, hence one mix:
-    # λ_k reweighted by Sinkhorn's row scalings only, near λ but not λ exactly
-    assert torch.allclose(W[:, :shift], W[:, :1].expand(4, shift), rtol=0, atol=1e-7)
-    assert torch.allclose(W[:, 0] * 10, LAM, atol=0.15)
-    # the last S gains are dropped: changing them changes nothing
-    other = g.clone()
-    other[:, -shift:] = torch.rand(4, shift) * 10
-    assert torch.equal(recast_weights(other, LAM, shift=shift), W)
-    assert not torch.allclose(W[:, shift:] * 10, LAM[:, None].expand(4, 10 - shift), atol=1e-3)
-
-
-def test_shift_1_moves_the_profile_one_column():
-    g = _random_gains(7)
-    g[:, -1] = 0  # Euler's last gain: nothing is dropped at the end
-    moved = gain_profiles(g, 0.1, shift=1)
-    today = gain_profiles(g, 0.1)
-    assert torch.allclose(moved[:, 1:], today[:, :-1], rtol=0, atol=1e-15)
-    assert torch.allclose(moved[:, 0], torch.full((4,), 0.1 / 10, dtype=moved.dtype))
-    assert torch.equal(shift_gains(g, 1)[:, 1:], g[:, :-1]) and (shift_gains(g, 1)[:, 0] == 0).all()
-    # and W is today's W of the moved gains (the column sums fix W's overall timing, so a shift
-    # moves the rewards relative to each other and to the first column, not all of them later)
-    assert torch.equal(recast_weights(g, LAM, shift=1), recast_weights(shift_gains(g, 1), LAM))
-
-
-def test_shift_out_of_range_is_an_error():
-    with pytest.raises(ValueError, match="shift"):
-        shift_gains(_random_gains(0), 10)
-    with pytest.raises(ValueError, match="shift"):
-        shift_gains(_random_gains(0), -1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +270,7 @@ def test_renyi_gains_traces_without_values(where, monkeypatch):
         scores = mode.from_tensor(scores) if where == "fake" else scores.to("meta")
         with RecordOps() as ops:
             D, gains = renyi.renyi_gains(scores, 6)
-            r = renyi.group_optimality(scores[:, -1], 6)
-    assert D.shape == (3, 6) and gains.shape == (3, 5) and r.shape == (3, 24)
+    assert D.shape == (3, 6) and gains.shape == (3, 5)
     assert D.dtype == gains.dtype == torch.float32
     assert (D.is_meta and gains.is_meta) if where == "meta" else isinstance(D, FakeTensor)
     assert ops.calls.count(RENYI_OP) == 1

@@ -7,9 +7,10 @@ import inspect
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import asdict, fields
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn, get_args, get_origin
 
 if TYPE_CHECKING:  # torch is imported where it is used: --help must not wait for it
     import torch
@@ -35,6 +36,26 @@ def field_docs(cls) -> dict[str, str]:
     }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """argparse's help, wrapped as argparse wraps it, with each flag's default on a line of its
+    own."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        body, _, default = text.partition(DEFAULT)
+        lines = super()._split_lines(body, width)
+        return lines + super()._split_lines("default: " + default, width) if default else lines
+
+
+DEFAULT = "\ndefault: "  # where a flag's help says its default
+
+
+def help_text(doc: str, default) -> str:
+    """A flag's help: its docstring, then its default, the docstring's own `default:` line where
+    it has one (a default that depends on other flags, said in words)."""
+    body, said, own = (re.sub(r"\n\s*default: ", DEFAULT, doc, count=1)).partition(DEFAULT)
+    return f"{body}{DEFAULT}{own if said else repr(default)}"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are `fail`'s one line (prefixed with the parser's prog), not the
     whole usage block."""
@@ -46,25 +67,29 @@ class Parser(argparse.ArgumentParser):
         fail("usage", f"{message} (see --help)", self.prog)
 
 
-def parse(cls, argv: list[str] | None, description: str, choices: dict[str, list[str]]):
-    """An argparse parser with one flag per field of the dataclass `cls`; returns a `cls`."""
+def parse(cls, argv: list[str] | None, description: str, before: dict | None = None):
+    """An argparse parser with one flag per field of the dataclass `cls` (a Literal field takes
+    one of its values); returns a `cls`. On --resume the run's args.json fills the flags not
+    given, and `before` those the run predates (a flag's value before it existed)."""
     docs = field_docs(cls)
     ap = Parser(
         prog="recast.py",
         description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     for f in fields(cls):
-        kw = dict(dest=f.name, default=f.default, help=f"{docs[f.name]} (default: {f.default!r})")
+        kw = dict(dest=f.name, default=f.default, help=help_text(docs[f.name], f.default))
         if f.type is bool:
             ap.add_argument(flag_of(f.name), action="store_true", **kw)
+        elif get_origin(f.type) is Literal:
+            ap.add_argument(flag_of(f.name), type=str, choices=get_args(f.type), **kw)
         else:
-            ap.add_argument(flag_of(f.name), type=f.type, choices=choices.get(f.name), **kw)
+            ap.add_argument(flag_of(f.name), type=f.type, **kw)
     args = ap.parse_args(argv)
     saved = os.path.join(args.out, "args.json")
     if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
         with open(saved) as f:
-            kept = {**getattr(cls, "BEFORE", {}), **json.load(f)}  # a newer flag: its old value
+            kept = {**(before or {}), **json.load(f)}  # a newer flag: its old value
             ap.set_defaults(**{k: v for k, v in kept.items() if k in vars(args)})
         args = ap.parse_args(argv)
     return cls(**vars(args))
@@ -129,8 +154,9 @@ def scored_share(gain_frac: float, prompts: int, world_size: int, rank: int) -> 
     return [g - first for g in picked if first <= g < first + per_rank]
 
 
-def check(args, world_size: int, resumable: set[str]) -> None:
-    """Ranges, divisibility, and the run folder: everything checkable before loading a model."""
+def check(args, world_size: int, resumable: set[str], before: dict | None = None) -> None:
+    """Ranges, divisibility, and the run folder: everything checkable before loading a model.
+    A resumed run may change the flags `resumable` only (`before`: as in parse)."""
     for name in ["prompts", "steps", "batch_size", "grad_accum", "eval_seeds", "eval_every",
                  "ckpt_every"]:  # fmt: skip
         if getattr(args, name) < 1:
@@ -178,14 +204,14 @@ def check(args, world_size: int, resumable: set[str]) -> None:
         if not os.path.isfile(saved):
             fail("--resume", f"{args.out} is not a run (no args.json); drop --resume to start one")
         with open(saved) as f:
-            before = json.load(f)
+            run = json.load(f)
         default = {f.name: f.default for f in fields(args)}  # a flag newer than the run: its
-        default = {**default, **getattr(type(args), "BEFORE", {})}  # value before it existed
+        default = {**default, **(before or {})}  # value before it existed
         differ = [k for k, v in asdict(args).items()
-                  if k not in resumable and before.get(k, default[k]) != v]  # fmt: skip
+                  if k not in resumable and run.get(k, default[k]) != v]  # fmt: skip
         if differ:
             changes = ", ".join(
-                f"{flag_of(k)} {before.get(k)!r} → {getattr(args, k)!r}" for k in differ
+                f"{flag_of(k)} {run.get(k, default[k])!r} → {getattr(args, k)!r}" for k in differ
             )
             fail(
                 "--resume",

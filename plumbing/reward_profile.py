@@ -3,13 +3,13 @@ and its centroid, the W that ReCAST would use and how far it is from uniform wei
 their spread over bootstrap resamples of the prompt groups, and the lines it prints.
 
 A leaf beside the loop: it imports torch, kernels/renyi.py and plots.timestep_centroid, never
-recast.py.
+recast.py, whose gain profiles and W it is given (`w_of`).
 """
 
 import torch
 
 from plumbing.plots import timestep_centroid
-from recast_kernels.renyi import gain_profiles, recast_weights, reference_renyi_gains
+from recast_kernels.renyi import reference_renyi_gains
 
 BOOTSTRAP = 200  # resamples of the prompt groups for the profile's spread
 
@@ -32,13 +32,7 @@ def l1_from_uniform(W: torch.Tensor, lam: torch.Tensor) -> float:
     return float((W - (lam / lam.sum())[:, None] / W.shape[1]).abs().sum())
 
 
-def _profile_and_w(gains: torch.Tensor, lam: torch.Tensor, a) -> tuple[torch.Tensor, torch.Tensor]:
-    """(profiles, W) of the gains with the flags `a` (floor, tau, gain_shift), float64."""
-    profiles = gain_profiles(gains, a.floor, a.gain_shift)
-    return profiles, recast_weights(gains, lam, a.tau, a.floor, a.gain_shift).double()
-
-
-def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a) -> dict[str, torch.Tensor]:
+def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a, w_of) -> dict[str, torch.Tensor]:
     """Std over BOOTSTRAP resamples (with replacement) of the scored prompt groups of: the gain
     profiles, their centroids, W's centroids and W's L1 distance from uniform."""
     G = a.group_size
@@ -50,7 +44,7 @@ def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a) -> dict[str, torch.
         pick = torch.randint(n // G, (n // G,), generator=gen)
         s = groups[:, :, pick].reshape(K, T1, n)
         _, gains = reference_renyi_gains(s, G, a.alpha, a.adv_clip_max)
-        prof, W = _profile_and_w(gains, lam, a)
+        prof, W = w_of(gains, lam)
         draws["profiles"].append(prof)
         draws["centroids"].append(timestep_centroid(prof))
         draws["W_centroids"].append(timestep_centroid(W))
@@ -58,14 +52,15 @@ def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a) -> dict[str, torch.
     return {k: torch.stack(v).std(0) for k, v in draws.items()}
 
 
-def report(step_scores, D, gains, lam, names: list[str], a, source: str) -> dict:
+def report(step_scores, D, gains, lam, names: list[str], a, source: str, w_of) -> dict:
     """profile.json's content (without its "seconds"): D (K, T+1) and gains (K, T) of the step
     scores (K, T+1, n), the profiles, W and their bootstrap spread, for the flags `a` (recast.py's
-    Args: group_size, steps, alpha, adv_clip_max, tau, floor, gain_shift, seed)."""
+    Args: group_size, steps, alpha, adv_clip_max, tau, floor, gain_shift, seed); `w_of(gains, λ)`
+    gives (profiles, W) in float64 (recast.gain_profiles and recast.recast_weights)."""
     T, G, n = a.steps, a.group_size, step_scores.shape[-1]
     D, gains = D.double().cpu(), gains.double().cpu()
-    profiles, W = _profile_and_w(gains, lam, a)
-    spread = _spread(step_scores, lam, a)
+    profiles, W = w_of(gains, lam)
+    spread = _spread(step_scores, lam, a, w_of)
     return {
         "source": source, "images_scored": n, "groups": n // G, "group_size": G, "steps": T,
         "names": names, "lam": lam.tolist(), "tau": a.tau, "floor": a.floor,

@@ -385,7 +385,7 @@ def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
         for name in ("StableDiffusion3Pipeline", "SD3Transformer2DModel", "AutoencoderKL"):
             getattr(diffusers, name)
         transformers.CLIPTextModelWithProjection  # noqa: B018
-        args = cli.parse(recast.Args, flags, "", recast.CHOICES)
+        args = cli.parse(recast.Args, flags, "")
         cpu = torch.device("cpu")
         with HostPeak() as peak:  # the loading alone
             world = families.load(args, cpu)

@@ -31,9 +31,11 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import harness  # noqa: E402
 import recast  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
-from recast_kernels.renyi import gain_profiles, group_optimality, recast_weights, renyi_gains  # noqa: E402
+from recast import gain_profiles, group_optimality, recast_weights  # noqa: E402
+from recast_kernels.renyi import renyi_gains  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
 SETTLED = 0.8  # a ranking is settled from the first step whose ρ with the final one stays ≥ this
@@ -54,7 +56,8 @@ def settled_step(scores: torch.Tensor) -> int:
 def main(args) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    run = recast.setup(["--lambda", args.lam, "--device", "cpu", "--seed", str(args.seed)])
+    flags = ["--lambda", args.lam, "--device", "cpu", "--seed", str(args.seed)]
+    run = harness.setup(recast.Args, flags, recast.__doc__)
     names, G, T, lam = run.names, run.args.group_size, run.args.steps, run.lam
     _, my_prompts, x0, preds = recast.rollout(run, 1)
     per_image = [p for p in my_prompts for _ in range(G)]

@@ -29,10 +29,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from plumbing import plots  # noqa: E402
-from recast_kernels.renyi import gain_profiles, renyi_gains  # noqa: E402
+from recast import gain_profiles  # noqa: E402
+from recast_kernels.renyi import renyi_gains  # noqa: E402
 from worlds import toyworld as tw  # noqa: E402
 
 
@@ -89,11 +91,13 @@ def report(out_dir: str, setting2: bool = False) -> None:
     judges = [*world.judge_names, *world.reward_names] if setting2 else list(world.judge_names)
     seeds = 4
     prompts = [p for p in tw.HELDOUT_PROMPTS for _ in range(seeds)]
-    noise = torch.randn(
-        len(prompts), *world.latent_shape, generator=torch.Generator().manual_seed(recast.EVAL_SEED)
-    )
+    seed = torch.Generator().manual_seed(harness.EVAL_SEED)
+    noise = torch.randn(len(prompts), *world.latent_shape, generator=seed)
     scorers = {n: rewards.get(n, world.device) for n in (*names, *judges)}
-    base, images = recast.evaluate(world, scorers, prompts, noise, world.sigmas(10), 64, "ref")
+    sigmas = world.sigmas(10)
+    base, images = harness.evaluate(
+        recast.sample, world, scorers, prompts, noise, sigmas, 64, "ref"
+    )
     gen = torch.Generator().manual_seed(0)
     world_images = tw.render(prompts, gen)  # what the base model learnt from: defects and all
     chance_images = tw.render(

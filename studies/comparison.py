@@ -318,7 +318,7 @@ def flags_for(code: str, arm: str) -> list[str]:
     if "--normalize" in flags or weighting not in ("recast", "reversed"):
         return flags
     with open(os.path.join(code, "recast.py"), encoding="utf-8") as f:
-        knows = "\n    normalize: str =" in f.read()
+        knows = "\n    normalize:" in f.read()  # `normalize: str =`, later `normalize: Literal[`
     return [*flags, "--normalize", "per-reward"] if knows else flags
 
 

@@ -49,10 +49,12 @@ from tqdm import tqdm  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
+from recast import group_optimality  # noqa: E402
 from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
-from recast_kernels.renyi import group_optimality, renyi_gains  # noqa: E402
+from recast_kernels.renyi import renyi_gains  # noqa: E402
 from studies.summarize import spearman  # noqa: E402
 
 
@@ -65,7 +67,7 @@ def unit_sum(x: torch.Tensor) -> torch.Tensor:
 def main(args) -> None:
     torch.set_num_threads(args.threads)
     a = recast.Args()  # β, A_max, α: the training defaults
-    world = recast.load_world(a, torch.device("cpu"))
+    world = harness.load_world(a, torch.device("cpu"))
     names = list(world.reward_names)
     fns = {n: rewards.get(n, world.device) for n in names}
     K, T, G, P = len(names), args.steps, args.group_size, args.prompts
@@ -85,8 +87,8 @@ def main(args) -> None:
     clock["rollout"] = time.perf_counter() - tic
     # the held-out set: EvalSet's prompts × seeds and noise, or --eval-prompts of them
     every = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
-    eval_noise = torch.randn(len(every), *world.latent_shape,
-                             generator=torch.Generator().manual_seed(recast.EVAL_SEED))  # fmt: skip
+    seed = torch.Generator().manual_seed(harness.EVAL_SEED)
+    eval_noise = torch.randn(len(every), *world.latent_shape, generator=seed)
     E = len(world.eval_prompts)  # --eval-prompts evenly spaced: several colours, shapes, places
     m = min(args.eval_prompts or E, E)
     rows = [round(j * (E - 1) / max(1, m - 1)) * args.eval_seeds + s
@@ -94,7 +96,8 @@ def main(args) -> None:
     eval_prompts, eval_noise = [every[j] for j in rows], eval_noise[rows]
 
     def mean_rewards() -> torch.Tensor:  # (K,) of the policy now in world.trainable
-        means, _ = recast.evaluate(world, fns, eval_prompts, eval_noise, sigmas, a.batch_size)
+        means, _ = harness.evaluate(recast.sample, world, fns, eval_prompts, eval_noise, sigmas,
+                                    a.batch_size)  # fmt: skip
         return torch.stack([means[n].double().mean() for n in names])
 
     params = [p for p in world.trainable.parameters() if p.requires_grad]

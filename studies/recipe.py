@@ -32,12 +32,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from plumbing import cli  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
+from recast import group_optimality  # noqa: E402
 from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
-from recast_kernels.renyi import group_optimality  # noqa: E402
 from studies.summarize import fmt  # noqa: E402
 
 LAMBDA = "0.4,0.2,0.2,0.2"
@@ -72,7 +73,7 @@ def flags(recipe: tuple) -> list[str]:
 def signal(args) -> None:
     torch.set_num_threads(args.threads)
     a = recast.Args(lam=LAMBDA, weighting="uniform", seed=args.seed)
-    world = recast.load_world(a, torch.device("cpu"))
+    world = harness.load_world(a, torch.device("cpu"))
     names = rewards.expand(a.rewards)
     lam = cli.parse_lambda(LAMBDA, names)
     T, G, P = a.steps, a.group_size, a.prompts

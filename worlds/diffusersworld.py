@@ -248,7 +248,7 @@ class DiffusersWorld:
 
         Under --shard (args.shard, in a process group) the transformer and the text encoders are
         built on the meta device (`skeleton`: no weight read, nothing allocated), the adapters
-        added to them, and nothing else is done to them here: recast.setup shards them
+        added to them, and nothing else is done to them here: harness.setup shards them
         (distributed.shard_models), then load_shards gives each rank its shards' weights, read
         on rank 0 and broadcast, and moves the VAE to the device. Otherwise every model is read
         whole, as from_pretrained reads a pipeline."""

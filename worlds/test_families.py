@@ -299,6 +299,7 @@ def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs,
     without the LoRA it draws other images."""
     import diffusers
 
+    import harness
     import recast
     from plumbing import eval_images, export
     from worlds import flux2world
@@ -312,12 +313,13 @@ def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs,
     index, kept = eval_images.load(str(out))  # the run's own sampler's images, as PNGs
     world, _ = world_of(variant, folder, prompts_file)
     noise = torch.randn(len(index["prompts"]), *world.latent_shape,
-                        generator=torch.Generator().manual_seed(recast.EVAL_SEED))  # fmt: skip
+                        generator=torch.Generator().manual_seed(harness.EVAL_SEED))  # fmt: skip
     assert eval_images.noise_digest(noise) == index["noise_sha256"]
     from safetensors.torch import load_file
 
     world.load_state_dict(load_file(out / "ckpt" / "epoch_0001" / "model.safetensors"))
-    _, drawn = recast.evaluate(world, {}, index["prompts"], noise, world.sigmas(3), 4)
+    _, drawn = harness.evaluate(recast.sample, world, {}, index["prompts"], noise,
+                                world.sigmas(3), 4)  # fmt: skip
     drawn = (drawn + 1) / 2  # the trained policy, as the run samples it
     pipe_cls = getattr(diffusers, world.family.PIPELINE)
     absent = {k: None for k, v in pipe_cls.load_config(folder).items() if v == [None, None]}

@@ -1,0 +1,486 @@
+"""The harness around recast.py's method: what a reader of the method may skip.
+
+The run (`Run`) and what a world gives the loop (`World`); every check of the flags before
+anything is loaded or written (`setup`: bad input exits 2 naming the flag); the flags a resumed
+run may change and those --profile ignores; the log's diagnostics of the normalisation (each
+reward's share of the signal, the loss's clamped pairs); the held-out evaluation with fixed noise,
+samples.png, the one log line an epoch and the checkpoint (`save_epoch`). recast.py imports it;
+it imports nothing of recast.py: the method's functions it calls (the sampler) are passed in.
+"""
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+import rewards
+from plumbing import checkpoints, cli, distributed, eval_images, plots, rundir, tblog
+from plumbing.distributed import init_processes, mean_all, resolve_precision, shard_models
+from plumbing.plots import timestep_centroid
+from worlds import hub, toyworld
+
+# A flag's value in runs made before the flag existed (their args.json lacks it).
+BEFORE = {"gain_shift": 0, "normalize": "per-reward", "shard": False, "precision": "auto"}
+
+# Flags that may change on --resume; every other one defines the method and must match.
+RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile"}
+# Flags that --profile ignores (it trains and evaluates nothing): a note says so when given.
+TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac", "kl_coef",
+                 "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
+                 "eval_seeds", "ckpt_every", "log", "lora_rank", "lora_alpha",
+                 "grad_checkpointing"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up: the world, the run, and every check before anything is written
+# ---------------------------------------------------------------------------------------------
+class World(Protocol):
+    """What a world gives the loop (worlds/toyworld.py's ToyWorld, worlds/diffusersworld.py's
+    DiffusersWorld): prompts, the latent layout, the sampler's schedule, the text encoder, the
+    velocities of the trained, old and reference policies, the decoder to images, the old
+    policy's EMA and the weights a checkpoint keeps."""
+
+    device: torch.device
+    train_prompts: list[str]
+    eval_prompts: list[str]
+    latent_shape: tuple[int, ...]  # one image's latent: (C, H, W), or (tokens, channels)
+    judge_names: list[str]  # held-out judges when --judges is not given
+    trainable: torch.nn.Module  # what the optimizer trains (the LoRA adapters, or the toy model)
+    policy: torch.nn.Module  # the trainable, wrapped in DDP under torchrun (without --shard)
+
+    def sigmas(self, steps: int) -> torch.Tensor: ...  # (T+1,): 1 = noise > … > 0 = image
+
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, ...]: ...  # per prompt
+
+    def v(self, which: str, x: torch.Tensor, cond, t: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, x0: torch.Tensor) -> torch.Tensor: ...  # (N, 3, H, W) images in [-1, 1]
+
+    def ideal(self, prompts: list[str]) -> torch.Tensor | None: ...  # None: no ideal rendering
+
+    def update_old(self, decay: float) -> None: ...  # θ_old ← d·θ_old + (1-d)·θ
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def shardable(self) -> list[torch.nn.Module]: ...  # --shard's (diffusers worlds only)
+
+
+@dataclass
+class Run:
+    args: object  # recast.Args: the flags
+    names: list[str]  # reward names, in --lambda order
+    lam: torch.Tensor  # (K,) float64, sums to 1
+    rank: int
+    world_size: int
+    world: World
+    reward_fns: dict  # the trained rewards
+    scorers: dict  # the trained rewards and the held-out judges
+    sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
+    params: list
+    optimizer: torch.optim.Optimizer
+    views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
+    flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
+    # A benchmark's hooks. `observe` is entered around each phase and step of the loop by name
+    # (rollout, score, recast, steps, weights, update, loss, backward, eval, save):
+    # benchmarks/scale_check.py times them through it; by default it does nothing. `nft_loss`,
+    # when given, replaces the fused loss that recast.pair_loss calls (benchmarks/memory_plan.py's
+    # CPU check gives its PyTorch reference, whose memory a CPU allocator can measure).
+    observe: Callable[[str], AbstractContextManager] = nullcontext
+    nft_loss: Callable[..., torch.Tensor] | None = None
+
+    def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
+        if self.rank == 0:
+            print(*a, **k)
+
+    @contextmanager
+    def phase(self, metrics: dict, name: str):
+        """A phase of the loop: its time (and GPU memory) into metrics, inside the hook."""
+        with self.observe(name), timed(metrics, name):
+            yield
+
+    def share(self, n: int) -> slice:
+        """This rank's share of n items (prompt groups, a micro-batch's pairs, held-out images):
+        the ranks' shares in rank order, their sizes one apart at most."""
+        return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+
+    @property
+    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
+        return dict(leave=False, disable=self.rank > 0)
+
+
+@contextmanager
+def timed(metrics: dict, name: str):
+    """time/<name>: the phase's seconds. Once CUDA is in use, the GPU is synchronised at both ends
+    (so the phase is charged its own kernels) and mem/<name> is its peak allocated GiB
+    (torch.cuda.max_memory_allocated, reset when the phase starts)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tic = time.perf_counter()
+    yield
+    if cuda:
+        torch.cuda.synchronize()
+        metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
+    metrics[f"time/{name}"] = time.perf_counter() - tic
+
+
+def is_toy_model(path: str) -> bool:
+    """A folder holding a bare SD3 transformer (a retrained toy model), not a whole pipeline."""
+    has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
+    return has("config.json") and not has("model_index.json")
+
+
+def is_diffusers(model: str) -> bool:
+    """--model names a diffusers pipeline (a folder or a hub id), not a toy-world model."""
+    return model != "toy" and not is_toy_model(model)
+
+
+def load_world(args, device: torch.device):
+    """The world: models, prompts, latent shape, sampler schedule (worlds/toyworld.py, or
+    worlds/diffusersworld.py with the family part that worlds/families.py picks)."""
+    if not is_diffusers(args.model):
+        return toyworld.ToyWorld(device, *([] if args.model == "toy" else [args.model]))
+    from worlds import diffusersworld, families
+
+    try:
+        return families.load(args, device)
+    except diffusersworld.BadInput as e:
+        cli.fail(e.flag, str(e))
+    except (OSError, ValueError) as e:
+        cli.fail("--model", f"could not load {args.model!r}: {e}")
+
+
+def expand_names(flag: str, text: str, known: list[str], allow_none: bool = False) -> list[str]:
+    """--rewards / --judges → reward names (presets expanded); an unknown one exits 2."""
+    names = rewards.expand(text)
+    if (not names and not allow_none) or any(n not in known for n in names):
+        bad = ", ".join(n for n in names if n not in known) or "(none)"
+        cli.fail(flag, f"unknown reward {bad}; choose from {', '.join([*known, *rewards.PRESETS])}")
+    return names
+
+
+def check_rewards(args, names: list[str], judges: list[str]) -> None:
+    """A diffusers --model is scored by reward models: a toy-world reward or judge exits 2."""
+    for flag, given in (("--rewards", names), ("--judges", judges)):
+        toy = [n for n in given if n in rewards.TOY]
+        real = [p for p, ns in rewards.PRESETS.items() if not set(ns) & rewards.TOY]
+        if toy:
+            cli.fail(flag, f"{', '.join(toy)} score the toy world's shapes, not {args.model}: "
+                     f"choose from {', '.join(rewards.LOADERS)}, or a preset "
+                     f"({', '.join(real)})")  # fmt: skip
+
+
+def scoring_defaults(args, argv: list[str] | None) -> dict:
+    """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
+    on a new run that scores them, for the flags not given; the toy world scores every group in
+    fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
+    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0, and
+    their --normalize per-reward (uniform with joint is sum; sum is one reward)."""
+    if args.weighting in ("uniform", "sum"):
+        cli.fill_defaults(args, argv, {"gain_shift": 0, "normalize": "per-reward"})
+    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
+        return {}
+    from worlds import diffusersworld
+
+    values = diffusersworld.scoring_defaults(args.prompts)
+    if args.profile:
+        values.pop("gain_frac")
+    return cli.fill_defaults(args, argv, values)
+
+
+def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
+    """Flags (the dataclass `flags`, recast.Args; `doc` heads --help), processes, world, rewards,
+    optimizer: every check before anything is written (bad input exits 2)."""
+    args = cli.parse(flags, argv, doc, BEFORE)
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
+    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
+        cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
+                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
+    if args.shard and not is_diffusers(args.model):
+        cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
+                 "diffusers models, --model)")  # fmt: skip
+    if args.precision == "bf16" and not is_diffusers(args.model):
+        cli.fail("--precision", "the toy world computes in fp32: drop --precision (it is for "
+                 "diffusers models, --model)")  # fmt: skip
+    if args.shard and not distributed:
+        cli.fail("--shard", "shards the models across torchrun's processes: launch with "
+                 "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip
+    chosen = scoring_defaults(args, argv)
+    cli.check(args, world_size, RESUMABLE, BEFORE)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # before the process group exists
+    if chosen and rank0:
+        from worlds import diffusersworld
+
+        said = " ".join(f"{cli.flag_of(k)} {v:.4g}" if isinstance(v, float) else
+                        f"{cli.flag_of(k)} {v}" for k, v in chosen.items())  # fmt: skip
+        print(f"note: scoring defaults: {said} (step predictions of {diffusersworld.SCORED_GROUPS}"
+              " prompt groups an epoch, docs/sd35.md); give the flag to override")  # fmt: skip
+    ignored = cli.given(argv, TRAINING_ONLY) if args.profile else []
+    if ignored and rank0:
+        print(f"note: --profile trains nothing: {', '.join(ignored)} ignored")
+    known = [*rewards.REWARDS, *rewards.LOADERS]
+    names = expand_names("--rewards", args.rewards, known)  # presets become their rewards
+    lam = cli.parse_lambda(args.lam, names)  # (K,) float64, sums to 1
+    judges = expand_names("--judges", args.judges, [*known, *rewards.JUDGES], allow_none=True)
+    if set(judges) & set(names):
+        both = ", ".join(n for n in judges if n in names)
+        cli.fail("--judges", f"{both} is trained on (--rewards): a judge must be held out")
+    try:  # --log's targets, and their packages installed
+        missing = tblog.missing(tblog.targets(args.log))
+    except ValueError as e:
+        missing = str(e)
+    if missing:
+        cli.fail("--log", missing)
+    if args.model != "toy" and not os.path.isdir(args.model) and not hub.is_hub_id(args.model):
+        cli.fail("--model", f"{args.model!r} does not exist here, and is not 'toy' or a hub id "
+                 "'org/name'")  # fmt: skip
+    if is_diffusers(args.model):
+        from worlds import diffusersworld
+
+        check_rewards(args, names, judges)  # a diffusers model: no toy reward
+        try:
+            diffusersworld.check(args)  # --prompts-file, --eval-prompts-file
+        except diffusersworld.BadInput as e:
+            cli.fail(e.flag, str(e))
+    if args.resume and not args.profile and rank0:
+        rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
+    args.out = args.out or os.path.join(
+        "runs",
+        time.strftime("%Y%m%d-%H%M%S")
+        + f"-{'profile' if args.profile else args.weighting}-s{args.seed}",
+    )
+    rank, device = init_processes(args, distributed)
+    rundir.check_shared_folder(args, rank)  # every rank sees rank 0's --out: else exit 2
+    world = load_world(args, device)
+    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
+        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
+                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
+    held = len(world.eval_prompts) * args.eval_seeds
+    if args.shard and held % world_size:  # sharded forwards are collectives: equal shares
+        cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {len(world.eval_prompts)}"
+                 f" held-out prompts × --eval-seeds {args.eval_seeds} is not a multiple of "
+                 f"{world_size} processes")  # fmt: skip
+    if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md); the models
+        # were built on the meta device and get their shards' weights once sharded (load_shards)
+        shard_models(world.shardable(), device, resolve_precision(args, device),
+                     load=world.load_shards)  # fmt: skip
+    elif distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+    scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
+    for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
+        try:  # a reward model missing (file, package, hub access) is bad input too
+            scorers.update({n: rewards.get(n, device) for n in group})
+        except (ImportError, OSError, ValueError) as e:
+            cli.fail(flag, f"could not load a reward model: {e}")
+    reward_fns = {n: scorers[n] for n in names}
+    params = [p for p in world.trainable.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sigmas = world.sigmas(args.steps)
+    return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
+               optimizer)  # fmt: skip
+
+
+def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
+    """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
+    the within-group spread of its advantage A_k under `normalize` (joint: its raw spread over the
+    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies),
+    summed to 1. The signal ReCAST distributes over timesteps is λ's only under per-reward and
+    batch; under joint (and --weighting sum) raw scale weighs in too (DESIGN §3)."""
+    s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
+    spread = s.std(-1, correction=0)  # (K, M)
+    lam = lam.to(s)
+    if normalize == "joint":
+        spread = spread / (torch.einsum("k,kmg->mg", lam, s).std(-1, correction=0) + 1e-4)
+    elif normalize == "batch":
+        spread = spread / (spread.pow(2).mean(-1, keepdim=True).sqrt() + 1e-4)
+    else:
+        spread = spread / (spread + 1e-4)
+    weight = lam * spread.mean(-1)
+    total = weight.sum()
+    return weight / total if total > 0 else torch.zeros_like(weight)
+
+
+def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
+    """Say once a run that a reward is constant in every group (K, M, G) of an epoch: it trains
+    nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3)."""
+    flat = (groups.amax(2) == groups.amin(2)).all(1)
+    for k in flat.nonzero().flatten().tolist():
+        if run.names[k] not in run.flat_said:
+            run.flat_said.add(run.names[k])
+            run.log(f"note: reward {run.names[k]} is constant in every group at epoch {epoch}: it "
+                    "trains nothing while it stays so (said once a run)")  # fmt: skip
+
+
+def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor) -> dict:
+    """What the loss (DESIGN §6) will make of r and W this epoch, for the log: clamp/share, the
+    share of (image, timestep) pairs whose mix r̄ = Σ_k W_k,i r_k / Σ_k W_k,i is clamped to
+    [0, 1]; adv/max/<reward>, each row's largest |A| = 2 A_max |r - 1/2| (one row 'sum' with
+    --weighting sum); share/<reward>, signal_share of the epoch's final scores."""
+    Wt = Wt.to(r)
+    mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
+    out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
+    rows = ["sum"] if run.args.weighting == "sum" else run.names
+    adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
+    out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
+    norm = "joint" if run.args.weighting == "sum" else run.args.normalize  # sum: joint's signal
+    share = signal_share(final, run.lam, run.args.group_size, norm)
+    out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 6 of recast.main: eval on held-out prompts with fixed noise, log, pictures, checkpoint
+# ---------------------------------------------------------------------------------------------
+EVAL_SEED = 20260929  # the same eval noise for every run, so runs compare on the same images
+
+
+@torch.no_grad()
+def evaluate(sample, world, scorers: dict, prompts: list[str], noise, sigmas, chunk: int,
+             which="policy"):  # fmt: skip
+    """Mean score per reward/judge of the policy `which` on (prompts × noise), sampled by
+    `sample` (recast.sample) in chunks of `chunk` images, and the images."""
+    images = []
+    for s in range(0, len(prompts), chunk):
+        cond = world.encode(prompts[s : s + chunk])
+        x0, _ = sample(
+            lambda x, c, t: world.v(which, x, c, t),
+            noise[s : s + chunk].to(world.device),
+            cond,
+            sigmas,
+        )
+        images.append(world.decode(x0))
+    images = torch.cat(images)
+    return {name: rewards.score(name, fn, images, prompts) for name, fn in scorers.items()}, images
+
+
+class EvalSet:
+    """The held-out prompts × --eval-seeds with fixed noise (each rank scores a share), the
+    ideal rendering's scores where the world has one, and the base model's (epoch 0); images
+    drawn by `sample` (recast.sample, the rollout's sampler)."""
+
+    def __init__(self, run: "Run", history: list[dict], sample):
+        args, world = run.args, run.world
+        self.run, self.sample = run, sample
+        prompts = [p for p in world.eval_prompts for _ in range(args.eval_seeds)]
+        noise = torch.randn(len(prompts), *world.latent_shape,
+                            generator=torch.Generator().manual_seed(EVAL_SEED))  # fmt: skip
+        share = run.share(len(prompts))
+        self.prompts, self.noise = prompts[share], noise[share]
+        self.start, self.index = share.start, {  # what OUT/eval_images/ says of its images
+            "prompts": prompts, "eval_seeds": args.eval_seeds, "eval_seed": EVAL_SEED,
+            "noise_sha256": eval_images.noise_digest(noise)}  # fmt: skip
+        self.ideal = world.ideal(self.prompts)  # None where there is no ideal rendering
+        self.ideal_eval = None if self.ideal is None else {
+            k: mean_all(rewards.score(k, fn, self.ideal, self.prompts).to(world.device))
+            for k, fn in run.scorers.items()
+        }  # fmt: skip
+        self.base_images = None
+        if history:  # resumed: the base model's scores are in the first line of metrics.jsonl
+            self.base = {k[5:]: v for k, v in history[0].items() if k.startswith("eval/")}
+            return
+        self.base, self.base_images = self.score("ref")
+        history.append({"epoch": 0, **{f"eval/{k}": v for k, v in self.base.items()}})
+        if self.ideal is not None:
+            history[0].update({f"ideal/{k}": v for k, v in self.ideal_eval.items()})
+        if run.rank == 0:
+            checkpoints.append_metrics(args.out, history[0])
+        run.log("epoch   0 | " + " ".join(f"eval/{k} {v:+.4f}" for k, v in self.base.items()))
+
+    def score(self, which: str = "policy", scorers: dict | None = None):
+        """({name: mean over every rank}, this rank's images) of the policy `which`."""
+        run = self.run
+        scorers = run.scorers if scorers is None else scorers
+        means, images = evaluate(self.sample, run.world, scorers, self.prompts, self.noise,
+                                 run.sigmas, run.args.batch_size, which)  # fmt: skip
+        return {k: mean_all(v.to(run.world.device)) for k, v in means.items()}, images
+
+    def __call__(self, epoch: int, metrics: dict) -> None:
+        """Eval the trained policy into `metrics` (eval/*, gap/*), keep its images in
+        OUT/eval_images/ and draw samples.png."""
+        ev, images = self.score()
+        index = {"epoch": epoch, **self.index}
+        eval_images.save(self.run.args.out, images, self.start, index, self.run.rank)
+        metrics.update({f"eval/{k}": v for k, v in ev.items()})
+        if self.ideal is not None:  # fraction of the base → ideal-rendering gap closed
+            span = {k: self.ideal_eval[k] - self.base[k] for k in ev}  # 0: nothing left to close
+            gap = {k: (ev[k] - self.base[k]) / span[k] if span[k] else 0.0 for k in ev}
+            metrics.update({f"gap/{k}": v for k, v in gap.items()})
+            lam, names = self.run.lam, self.run.names
+            metrics["gap/weighted"] = sum(lam[k].item() * gap[n] for k, n in enumerate(names))
+        if self.base_images is None and (self.run.rank == 0 or self.run.args.shard):
+            _, self.base_images = self.score("ref", {})  # resumed: redraw, unscored (sharded
+            # forwards are collectives: every rank draws, rank 0 keeps them)
+        if self.run.rank == 0:
+            save_samples(self.run.args, self.base_images, images, self.ideal,
+                         self.run.world.eval_prompts, epoch)  # fmt: skip
+
+
+def save_samples(args, base_images, latest_images, ideal, eval_prompts, epoch) -> None:
+    """samples.png: base model vs this epoch (same prompts and noise), and the ideal rendering."""
+    held = len(latest_images) // args.eval_seeds  # held-out prompts in this rank's share
+    rows = min(8, held)  # evenly spaced through the sorted list: several colours, shapes, places
+    pick = [round(j * (held - 1) / max(1, rows - 1)) for j in range(rows)]
+    seeds = [p * args.eval_seeds + s for p in pick for s in range(args.eval_seeds)]
+    panels = {"base model": base_images[seeds], f"epoch {epoch}": latest_images[seeds]}
+    if ideal is not None:
+        panels["ideal"] = ideal[[p * args.eval_seeds for p in pick]]
+    plots.save_samples_figure(
+        os.path.join(args.out, "samples.png"), panels, [eval_prompts[p] for p in pick]
+    )
+
+
+def log_line(m: dict, names: list[str], W: torch.Tensor) -> str:
+    """The one fixed-format line per epoch."""
+    parts = [
+        f"epoch {m['epoch']:3d}",
+        " ".join(f"reward/{n} {m[f'reward/{n}']:+.4f}" for n in names),
+    ]
+    parts.append(f"loss {m['loss']:.4f}")
+    parts.append(
+        "centroid(W) " + " ".join(f"{c:.1f}" for c in timestep_centroid(W.double()).tolist())
+    )
+    if "gap/weighted" in m:
+        parts.append(f"gap/weighted {m['gap/weighted']:+.3f}")
+    parts.append(" ".join(f"{k} {v:.1f}s" for k, v in m.items() if k.startswith("time/")))
+    return " | ".join(parts)
+
+
+def save_epoch(run: Run, m: dict, W, gains_ema, profiles, opt_steps: int, history: list,
+               last: bool):  # fmt: skip
+    """Refuse a non-finite metric; append metrics.jsonl, redraw W.png (W and the gain `profiles`,
+    None without gains), checkpoint (rank 0)."""
+    args, epoch = run.args, m["epoch"]
+    bad = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(
+            f"{bad[0]} is {m[bad[0]]} at epoch {epoch}; "
+            f"the last good checkpoint in {args.out}/ckpt is kept"
+        )
+    history.append(m)
+    saving = epoch % args.ckpt_every == 0 or last
+    if saving:  # every rank: a sharded run gathers the shards here
+        tensors = run.world.state_dict()
+        optim = distributed.optimizer_state(run.world.trainable, run.optimizer, args.shard)
+    if run.rank == 0:
+        checkpoints.append_metrics(args.out, m)
+        plots.save_weights_figure(
+            os.path.join(args.out, "W.png"), W, profiles, run.lam, run.names, run.sigmas.cpu(),
+            f"epoch {epoch}  ·  --weighting {args.weighting}",
+        )  # fmt: skip
+        if run.views:
+            run.views.epoch(m, args.out)
+        if saving:
+            gains_list = gains_ema.tolist() if gains_ema is not None else None
+            state = {"opt_steps": opt_steps, "gains_ema": gains_list}
+            checkpoints.save(args.out, epoch, tensors, optim, state)
+    run.log(log_line(m, run.names, W))

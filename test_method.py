@@ -1,0 +1,229 @@
+"""Tests of the method's formulas written out in recast.py: the optimality r of DESIGN §3 (each
+reward's own, and the same r that the gains kernel computes inside), the weight matrix W of
+DESIGN §5 (gain_profiles, recast_weights, --gain-shift), and the readable NFT loss of DESIGN §6
+against the fused kernel's own reference (the kernel is tested against that reference in
+kernels/test_nft_loss.py). Also: the flags' displayed defaults are the ones that run."""
+
+import math
+
+import pytest
+import torch
+
+import harness
+import recast
+from plumbing import cli
+from recast import gain_profiles, recast_weights, shift_gains
+from recast_kernels import nft_loss as kernel_loss
+from recast_kernels import renyi
+
+
+# ---------------------------------------------------------------------------------------------
+# r (DESIGN §3)
+# ---------------------------------------------------------------------------------------------
+def test_group_optimality():
+    scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]])
+    r = recast.group_optimality(scores, 4, adv_clip_max=5.0)
+    assert torch.all(r[0, 4:] == 0.5)  # zero spread
+    g = scores[0, :4]
+    expected = 0.5 + ((g - g.mean()) / (g.std(correction=0) + 1e-4)).clamp(-5, 5) / 10
+    torch.testing.assert_close(r[0, :4], expected)
+    wide = recast.group_optimality(torch.tensor([0.0] * 30 + [100.0]), 31, adv_clip_max=2.0)
+    assert wide[-1] == 1.0 and wide.min() >= 0.0  # clipped at A_max
+    assert math.isclose(recast.group_optimality(torch.ones(3), 3)[0].item(), 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_r_is_the_r_inside_the_gains_kernel(dtype):
+    """The per-reward r that trains (recast.group_optimality) is the r the gains' reference
+    computes (renyi._group_optimality): the same numbers, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(4, 48, generator=gen, dtype=dtype) * torch.tensor(
+        [[1.0], [0.1], [3.0], [0.5]], dtype=dtype
+    )
+    scores[:, :8] = 0.25  # a constant group
+    scores[0, 8] = 40.0  # a clipped advantage
+    assert torch.equal(recast.group_optimality(scores, 8, 5.0),
+                       renyi._group_optimality(scores, 8, 5.0))  # fmt: skip
+
+
+# gain_profiles and recast_weights: the weight matrix W (DESIGN §5)
+# ---------------------------------------------------------------------------------------------
+LAM = torch.tensor([0.4, 0.2, 0.2, 0.2])
+
+
+def _random_gains(seed, K=4, T=10):
+    return torch.rand(K, T, generator=torch.Generator().manual_seed(seed)) ** 3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_weights_have_the_marginals(seed):
+    W = recast_weights(_random_gains(seed), LAM)
+    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+
+
+def test_weights_ignore_the_scale_of_a_rewards_gains():
+    g = _random_gains(0)
+    scaled = g.clone()
+    scaled[1] *= 37.0
+    assert torch.allclose(recast_weights(g, LAM), recast_weights(scaled, LAM), atol=1e-7)
+
+
+def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
+    static = LAM[:, None].expand(4, 10) / 10
+    same = _random_gains(1, K=1).expand(4, 10)
+    assert torch.allclose(recast_weights(same, LAM), static, atol=1e-7)
+    assert torch.allclose(recast_weights(torch.zeros(4, 10), LAM), static, atol=1e-7)
+    assert torch.allclose(recast_weights(_random_gains(2), LAM, tau=1e6), static, atol=1e-6)
+    assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
+
+
+def test_raising_a_gain_never_lowers_its_own_weight():
+    g = _random_gains(3)
+    for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
+        W0 = recast_weights(g, LAM)[k, i]
+        for factor in (1.5, 3.0, 10.0):
+            up = g.clone()
+            up[k, i] = up[k, i] * factor + 0.01
+            assert recast_weights(up, LAM)[k, i] >= W0 - 1e-7
+
+
+def test_weights_follow_the_gains():
+    gains = torch.zeros(2, 10)
+    gains[0, :3], gains[1, -4:-1] = 1.0, 1.0  # reward 0 informative early, reward 1 late
+    W = recast_weights(gains, torch.tensor([0.5, 0.5]))
+    centre = (W * torch.arange(10.0)).sum(1) / W.sum(1)  # where along the steps each row sits
+    assert centre[0] < 3 < 6 < centre[1]
+    # the last column carries no gain (Euler's last prediction is the sample), so it stays at λ
+    assert torch.allclose(W[:, -1] * 10, torch.tensor([0.5, 0.5]), atol=0.05)
+    prof = gain_profiles(gains, 0.1)
+    assert torch.allclose(prof.sum(1), torch.ones(2, dtype=prof.dtype))
+    assert prof.min() >= 0.1 / 10 - 1e-12
+
+
+def test_zero_budget_reward_gets_no_weight():
+    W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
+    assert W[1].abs().max() == 0
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# --gain-shift S: W column i reads the gain of step i - S (DESIGN §4, alignment)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(3))
+def test_shift_0_is_todays_w_bit_for_bit(seed):
+    g = _random_gains(seed)
+    assert torch.equal(recast_weights(g, LAM, shift=0), recast_weights(g, LAM))
+    assert torch.equal(gain_profiles(g, 0.1, shift=0), gain_profiles(g, 0.1))
+
+
+@pytest.mark.parametrize("shift", [1, 2, 5])
+def test_shifted_w_keeps_its_marginals_and_ignores_the_dropped_gains(shift):
+    g = _random_gains(shift)
+    W = recast_weights(g, LAM, shift=shift)
+    assert torch.allclose(W.double().sum(1), LAM.double(), atol=1e-6)
+    assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+    # the columns with no gain have the same profile (the floor) for every reward, hence one mix:
+    # λ_k reweighted by Sinkhorn's row scalings only, near λ but not λ exactly
+    assert torch.allclose(W[:, :shift], W[:, :1].expand(4, shift), rtol=0, atol=1e-7)
+    assert torch.allclose(W[:, 0] * 10, LAM, atol=0.15)
+    # the last S gains are dropped: changing them changes nothing
+    other = g.clone()
+    other[:, -shift:] = torch.rand(4, shift) * 10
+    assert torch.equal(recast_weights(other, LAM, shift=shift), W)
+    assert not torch.allclose(W[:, shift:] * 10, LAM[:, None].expand(4, 10 - shift), atol=1e-3)
+
+
+def test_shift_1_moves_the_profile_one_column():
+    g = _random_gains(7)
+    g[:, -1] = 0  # Euler's last gain: nothing is dropped at the end
+    moved = gain_profiles(g, 0.1, shift=1)
+    today = gain_profiles(g, 0.1)
+    assert torch.allclose(moved[:, 1:], today[:, :-1], rtol=0, atol=1e-15)
+    assert torch.allclose(moved[:, 0], torch.full((4,), 0.1 / 10, dtype=moved.dtype))
+    assert torch.equal(shift_gains(g, 1)[:, 1:], g[:, :-1]) and (shift_gains(g, 1)[:, 0] == 0).all()
+    # and W is today's W of the moved gains (the column sums fix W's overall timing, so a shift
+    # moves the rewards relative to each other and to the first column, not all of them later)
+    assert torch.equal(recast_weights(g, LAM, shift=1), recast_weights(shift_gains(g, 1), LAM))
+
+
+def test_shift_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match="shift"):
+        shift_gains(_random_gains(0), 10)
+    with pytest.raises(ValueError, match="shift"):
+        shift_gains(_random_gains(0), -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss (DESIGN §6): readable form against the kernel's reference
+# ---------------------------------------------------------------------------------------------
+def loss_inputs(seed: int, n=12, shape=(3, 5, 7), K=4, T=6, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    v_theta, v_old, x0, noise, v_ref = (torch.randn(n, *shape, generator=gen, dtype=dtype)
+                                        for _ in range(5))  # fmt: skip
+    t = torch.rand(n, generator=gen).clamp_min(0.05).to(dtype)
+    t_index = torch.randint(0, T, (n,), generator=gen)
+    r = torch.rand(n, K, generator=gen) * 1.4 - 0.2  # joint's r leaves [0, 1]: the clamp is hit
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    return v_theta, v_old, x0, noise, t, t_index, r, W, v_ref
+
+
+@pytest.mark.parametrize("seed, kl", [(0, 0.0), (1, 0.3), (2, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_readable_loss_is_the_kernels_reference(seed, kl, dtype):
+    """recast.nft_loss_readable and reference_nft_loss (kernels/nft_loss.py, which the fused
+    kernel is tested against): the same loss and gradient in v_θ, to float rounding."""
+    v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(seed, dtype=dtype)
+    got = []
+    for fn in (recast.nft_loss_readable, kernel_loss.reference_nft_loss):
+        v = v_theta.clone().requires_grad_()
+        loss = fn(v, v_old, x0, noise, t, t_index, r, W, 0.3, 5.0, v_ref if kl else None, kl)
+        loss.backward()
+        got.append((loss.detach(), v.grad))
+    (loss_a, grad_a), (loss_b, grad_b) = got
+    tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=0)
+    torch.testing.assert_close(loss_a, loss_b, **tol)
+    torch.testing.assert_close(
+        grad_a,
+        grad_b,
+        rtol=4 * torch.finfo(dtype).eps,
+        atol=4 * torch.finfo(dtype).eps * grad_b.abs().max().item(),
+    )
+    assert loss_a != 0 and grad_a.abs().max() > 0
+
+
+def test_readable_loss_sees_every_input():
+    """A mutation check of the comparison above: the readable loss moves with r, W, t and β."""
+    v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(4)
+    base = recast.nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, 0.3, 5.0)
+    for changed in ({"r": r.flip(1)}, {"W": W.flip(1)}, {"t": t * 0.5}, {"beta": 0.7}):
+        kw = dict(r=r, W=W, t=t, beta=0.3) | changed
+        other = recast.nft_loss_readable(v_theta, v_old, x0, noise, kw["t"], t_index, kw["r"],
+                                         kw["W"], kw["beta"], 5.0)  # fmt: skip
+        assert not torch.isclose(other, base), changed
+
+
+# ---------------------------------------------------------------------------------------------
+# The flags: the defaults --help shows are the defaults that run
+# ---------------------------------------------------------------------------------------------
+FILLED = {  # the flags harness.scoring_defaults may set → what their `default:` line must name
+    "normalize": "--weighting uniform", "gain_shift": "--weighting uniform or sum",
+    "gain_frac": "diffusers --model", "score_precision": "diffusers --model",
+}  # fmt: skip
+
+
+def test_a_default_that_depends_on_other_flags_says_so():
+    """Each flag whose default harness.scoring_defaults fills by --weighting or --model shows a
+    `default:` line naming when; every other flag shows its dataclass default, which runs."""
+    docs = cli.field_docs(recast.Args)
+    for name, doc in docs.items():
+        line = next((x for x in doc.splitlines() if x.strip().startswith("default:")), None)
+        if name in FILLED:
+            assert line and FILLED[name] in line, (name, line)
+        else:
+            assert line is None, name
+    args = cli.parse(recast.Args, ["--lambda", "1,1,1,1", "--weighting", "uniform"], "")
+    set_ = harness.scoring_defaults(args, ["--lambda", "1,1,1,1", "--weighting", "uniform"])
+    assert set_ == {} and (args.normalize, args.gain_shift) == ("per-reward", 0)
+    changed = {k for k, v in vars(args).items() if getattr(recast.Args, k) != v}
+    assert changed <= {"lam", "weighting", *FILLED}, changed
