@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
 import rewards
 from plumbing import checkpoints, cli, distributed, eval_images, plots, rundir, tblog
@@ -88,7 +89,7 @@ class Run:
     views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
     flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
     # A benchmark's hooks. `observe` is entered around each phase and step of the loop by name
-    # (rollout, score, recast, steps, weights, update, loss, backward, eval, save):
+    # (rollout, score, recast, steps, weights, update, loss, backward, step, eval, save):
     # benchmarks/scale_check.py times them through it; by default it does nothing. `nft_loss`,
     # when given, replaces the fused loss that recast.pair_loss calls (benchmarks/memory_plan.py's
     # CPU check gives its PyTorch reference, whose memory a CPU allocator can measure).
@@ -110,9 +111,16 @@ class Run:
         the ranks' shares in rank order, their sizes one apart at most."""
         return slice(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
 
-    @property
-    def bar(self) -> dict:  # tqdm settings: progress bars on rank 0 only
-        return dict(leave=False, disable=self.rank > 0)
+    def autocast(self, enabled: bool) -> AbstractContextManager:
+        """bf16 autocast on the world's device when `enabled` (--score-precision bf16's scoring);
+        benchmarks/memory_plan.py gives its GPU form's, as torch.autocast takes no meta tensors."""
+        return torch.autocast(self.world.device.type, torch.bfloat16, enabled=enabled)
+
+    def progress(self, starts: range, desc: str):
+        """A loop of the method over its batches (their first index): with a progress bar on rank 0.
+        benchmarks/memory_plan.py replaces it to run the model on the batches that set a phase's
+        peak memory only."""
+        return tqdm(starts, desc, leave=False, disable=self.rank > 0)
 
 
 @contextmanager

@@ -177,7 +177,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import harness
 import rewards
@@ -222,7 +221,7 @@ def rollout(run: Run, epoch: int):
     my_cond = world.encode(prompts[mine])  # per prompt: image n belongs to prompt n // G
     old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
     x0, preds, n_images = [], [], len(my_noise)
-    for s in tqdm(range(0, n_images, args.batch_size), f"epoch {epoch} rollout", **run.bar):
+    for s in run.progress(range(0, n_images, args.batch_size), f"epoch {epoch} rollout"):
         n = torch.arange(s, min(s + args.batch_size, n_images), device=world.device)
         x, pred = sample(old, my_noise[n], tuple(c[n // G] for c in my_cond), run.sigmas)
         x0.append(x)
@@ -311,7 +310,7 @@ def score_steps(run: Run, preds, final, per_image) -> torch.Tensor:
     n = torch.tensor([g * G + j for g in share(run.rank) for j in range(G)], dtype=torch.long)
     scores = final.new_zeros(len(final), args.steps + 1, 0)  # none of this rank's groups scored
     bf16 = args.score_precision == "bf16"
-    with run.observe("steps"), torch.autocast(run.world.device.type, torch.bfloat16, enabled=bf16):
+    with run.observe("steps"), run.autocast(bf16):
         if len(n):
             mine = preds[:, n.to(preds.device)], final[:, n.to(final.device)]
             scores = trajectory_scores(run.reward_fns, run.world.decode, *mine,
@@ -443,7 +442,7 @@ def pair_loss(run: Run, x0, cond, r, W, n, i, eps) -> torch.Tensor:
 def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
     """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
     index, in micro-batches of --batch-size pairs (each rank its share), --grad-accum of them per
-    optimizer step. Returns (mean loss over every rank, optimizer steps so far)."""
+    optimizer step. Returns (the mean loss over every rank, a tensor; optimizer steps so far)."""
     args, world, T = run.args, run.world, run.args.steps
     W_train, device = train_weights(run, W).to(world.device), world.device
     g_train = epoch_generator(args.seed, epoch, 2)
@@ -452,14 +451,15 @@ def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
     pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
     pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
     per_step = args.batch_size * args.grad_accum  # pairs per optimizer step
-    for s in tqdm(range(0, len(pairs), args.batch_size), f"epoch {epoch} update", **run.bar):
+    for s in run.progress(range(0, len(pairs), args.batch_size), f"epoch {epoch} update"):
         batch = pairs[s : s + args.batch_size]
         step_end = min(s - s % per_step + per_step, len(pairs))  # this optimizer step's end
         eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
         mine = run.share(len(batch))  # this rank's pairs of the micro-batch
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
         loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine])
-        if not torch.isfinite(loss):  # stop before the step: the last checkpoint stays good
+        if not loss.is_meta and not torch.isfinite(loss):  # stop before the step: the last
+            # checkpoint stays good (meta tensors, benchmarks/memory_plan.py's: shapes only)
             raise FloatingPointError(
                 f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
                 f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
@@ -468,11 +468,12 @@ def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
             (loss * len(batch) / (step_end - (s - s % per_step))).backward()
         losses.append(loss.detach())
         if s + len(batch) == step_end:  # the step's last micro-batch
-            torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
+            with run.observe("step"):
+                torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
+                run.optimizer.step()
+                run.optimizer.zero_grad(set_to_none=True)
             opt_steps += 1
-    return gather(torch.stack(losses).mean()[None]).mean().item(), opt_steps
+    return gather(torch.stack(losses).mean()[None]).mean(), opt_steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,7 +581,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             m["W"] = W.tolist()  # below: clamped pairs, largest |A|, each reward's signal share
             m.update(harness.mix_stats(run, final, r, train_weights(run, W)))
             with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)
-                m["loss"], opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
+                loss, opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
+                m["loss"] = loss.item()
             m["decay"] = update_old(run, opt_steps)  # 5. the old policy follows (DESIGN §6)
             if dist.is_initialized():  # every rank holds the same W, θ and θ_old, bit for bit
                 # (--shard: each element of θ and θ_old lives on one rank only, in its shard, and

@@ -21,21 +21,23 @@ checks reject what it would reject (exit 2, naming the flag). `--world-size N` p
 with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards);
 above 8, nodes of 8 GPUs (GPUS_PER_NODE), each sharding the models among its own (HSDP).
 
-Each phase of one epoch runs the project's own calls on those meta models, under a tracer that
-counts every tensor's bytes as a CUDA GPU would hold them (benchmarks/memtrace.py: flash attention
-as on the GPU, bf16 autocast where diffusersworld/recast use it, the values of token ids and masks
-where a pipeline reads them, AdamW in its foreach form, which recast.py's AdamW takes on CUDA;
-fused AdamW does not run on meta tensors):
-- rollout: world.encode of this rank's prompts and recast.sample with the old policy (world.v under
-  no_grad) on the last --batch-size images, T steps, the earlier batches' x0 and x̂0 held;
+Each phase of one epoch runs recast.py's own phase functions on those meta models (PlannedRun, a
+harness.Run with the planner's hooks), under a tracer that counts every tensor's bytes as a CUDA
+GPU would hold them (benchmarks/memtrace.py: flash attention as on the GPU, bf16 autocast where
+diffusersworld/recast use it, the values of token ids and masks where a pipeline reads them, AdamW
+in its foreach form, which recast.py's AdamW takes on CUDA; fused AdamW does not run on meta
+tensors). Each loop of the method runs every batch; the transformer runs on the batches that set
+the phase's peak (PlannedRun.progress), the others get its output's tensor without its forward:
+- rollout: recast.rollout, the old policy over this rank's groups, the last batch (and the last
+  full one, where the last is partial) through the transformer, the earlier ones' x0, x̂0 held;
 - score: world.decode of this rank's images and every reward (recast.score_all), fp32;
-- recast: recast.trajectory_scores on the scored groups' T-1 step predictions, in
-  --score-precision (recast.score_steps' own autocast takes no meta tensors);
-- update: one micro-batch of nft_update: world.v of the policy (with grad, through LoRA), the old
-  and the reference, kernels.nft_loss, backward, gradient clipping and the AdamW step, with the
-  optimizer's state already made (a later step's peak);
-- eval: recast.evaluate on the last --batch-size held-out images, the earlier ones held;
-- save: recast.save_epoch's checkpoint (under --shard, its gather of the largest trained tensor).
+- recast: recast.score_steps as the rank that scores the most groups, in --score-precision;
+  recast.optimality;
+- update: recast.nft_update, every micro-batch, those of its first optimizer step through the
+  policy (with grad, through LoRA), the old and the reference: kernels.nft_loss, backward,
+  gradient clipping and the AdamW step, with the optimizer's state already made (a later step's);
+- eval: harness.evaluate on the last --batch-size held-out images, the earlier ones held;
+- save: harness.save_epoch's checkpoint (under --shard, its gather of the largest trained tensor).
 Before them, loading (load_phase, counted from the models' sizes, not traced): the GPU's peak
 while the models are loaded (every model whole without --shard; under --shard the rank's shards,
 one broadcast tensor, the VAE and reward models), and the host memory of rank 0's node (without
@@ -59,13 +61,13 @@ plan, keyed by the phase names of recast.py's mem/<phase> and scale_check.py's r
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,7 +83,7 @@ import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from benchmarks import memtrace, modelzoo  # noqa: E402
-from plumbing import cli  # noqa: E402
+from plumbing import cli, distributed  # noqa: E402
 from recast_kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
 from worlds import diffusersworld, families  # noqa: E402
 
@@ -336,17 +338,22 @@ def hpsv2_device_work(clip, tok, size: int) -> rewards.RewardFn:
 
 class Autocasting:
     """The world with its v and encode under GpuForm's autocast: SD3World runs them under
-    torch.autocast on CUDA, which takes no meta tensors."""
+    torch.autocast on CUDA, which takes no meta tensors. While `live` is False (a batch that does
+    not set its phase's peak: PlannedRun.progress) v makes the velocity it would return, fp32 of
+    x's shape (zeros, requiring grad for the policy's), without running the transformer."""
 
     def __init__(self, world, form: memtrace.GpuForm):
-        self.world, self.form = world, form
+        self.world, self.form, self.live = world, form, True
 
     def __getattr__(self, name: str):
         return getattr(self.world, name)
 
-    def v(self, *a) -> torch.Tensor:
+    def v(self, which: str, x: torch.Tensor, cond, t: torch.Tensor) -> torch.Tensor:
+        if not self.live:
+            grad = which == "policy" and torch.is_grad_enabled()
+            return torch.zeros(x.shape, device=x.device, requires_grad=grad)
         with self.form.autocasting():
-            return self.world.v(*a)
+            return self.world.v(which, x, cond, t)
 
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         with self.form.autocasting():
@@ -470,82 +477,119 @@ class Marks:
 
 
 def gathered(x: torch.Tensor, world_size: int, dim: int = -1) -> torch.Tensor:
-    """checkpoint.gather's memory on one rank of `world_size`: the parts, then their cat."""
+    """distributed.gather's memory on one rank of `world_size`: the parts (zeros: the CPU check
+    reads them), then their cat. Under the sharded CPU check's process group, the gather itself."""
+    if torch.distributed.is_initialized():
+        return distributed.gather(x, dim)
     if world_size == 1:
         return x
-    parts = [x, *(torch.empty_like(x) for _ in range(world_size - 1))]
+    parts = [x, *(torch.zeros_like(x) for _ in range(world_size - 1))]
     return torch.cat(parts, dim)
 
 
+@dataclasses.dataclass
+class PlannedRun(harness.Run):
+    """harness.Run with the planner's hooks, so that recast.py's own phase functions run on the
+    meta models: `progress` (each loop of the method over its batches) lets the transformer run on
+    the batches that set the phase's peak only, the others getting velocities of the right shape,
+    made but not computed (LiveForwards), their outputs kept as data; `autocast` is the GPU form's
+    (torch.autocast takes no meta tensors); `observe` counts backward and the optimizer step as
+    temporaries."""
+
+    marks: Marks | None = None
+    form: memtrace.GpuForm | None = None
+    live: str = "last"  # the next loop's live batches: "last" or "first step"
+
+    def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
+        return self.form.autocasting() if enabled else contextlib.nullcontext()
+
+    def progress(self, starts: range, desc: str) -> Iterator[int]:
+        """The last batch, and the last full one when the last is partial (the most data held
+        when they run); "first step": the micro-batches of the first optimizer step (full, and
+        their gradients accumulate as in any step)."""
+        k = len(starts)
+        if self.live == "first step":
+            live = set(range(min(k, self.args.grad_accum)))
+        else:
+            partial = (starts.stop - starts.start) % starts.step != 0
+            live = {k - 1} | ({k - 2} if partial and k > 1 else set())
+        for j, s in enumerate(starts):
+            self.world.live = j in live
+            with contextlib.nullcontext() if j in live else self.marks.making("data"):
+                yield s
+        self.world.live = True
+
+
+def loop_of(run: dict, marks: Marks) -> PlannedRun:
+    """The PlannedRun of make_run's parts: rank 0 of --world-size."""
+    args, names = run["args"], list(run["reward_fns"])
+
+    def observe(name: str) -> contextlib.AbstractContextManager:  # backward, the optimizer step
+        temporaries = name in ("backward", "step")
+        return marks.making("temporaries") if temporaries else contextlib.nullcontext()
+
+    return PlannedRun(args, names, cli.parse_lambda(args.lam, names), 0, run["ws"], run["world"],
+                      run["reward_fns"], run["scorers"], run["sigmas"], run["params"], run["opt"],
+                      observe=observe, nft_loss=run["nft_loss"], marks=marks,
+                      form=run["form"])  # fmt: skip
+
+
 def epoch(run, marks: Marks, bar) -> None:
-    """One epoch's memory-heavy work on rank 0 (recast.main's phases), what it keeps carried from
-    phase to phase as recast.main keeps it."""
-    args, world, ws, G = run["args"], run["world"], run["ws"], run["args"].group_size
-    sigmas, device = run["sigmas"], world.device
-    T = len(sigmas) - 1
-    P_local, latent = args.prompts // ws, world.latent_shape
-    n_local, N = P_local * G, args.prompts * G
-    prompts = [world.train_prompts[i % len(world.train_prompts)] for i in range(args.prompts)]
-    my_prompts = prompts[:P_local]
-    per_image = [p for p in my_prompts for _ in range(G)]
+    """One epoch on rank 0 through recast.py's own phase functions (recast.main's order), with
+    what recast.main carries from phase to phase; the collectives (gather) as their memory on one
+    rank of --world-size (`gathered`)."""
+    loop = loop_of(run, marks)
+    args, world, ws, G = loop.args, loop.world, loop.world_size, loop.args.group_size
+    T, device = len(loop.sigmas) - 1, world.device
     E = len(world.eval_prompts) * args.eval_seeds
     E_local = math.ceil(E / ws)  # rank 0's share of the held-out images
     with marks.making("data"):  # EvalSet keeps the base model's eval images on rank 0
         base_images = torch.zeros(E_local, 3, args.resolution, args.resolution, device=device)
 
-    with marks.phase("rollout"):  # recast.rollout: this rank's groups, --batch-size a sampler call
-        cond = world.encode(my_prompts)
-        noise = torch.randn(n_local, *latent, device=device)
-        b = min(args.batch_size, n_local)
-        with marks.making("data"):  # the earlier batches' x0 and x̂0
-            x0_before = torch.zeros(n_local - b, *latent, device=device)
-            preds_before = torch.zeros(T, n_local - b, *latent, device=device)
-        n = torch.arange(n_local - b, n_local, device=device)
-        old = lambda x, c, t: world.v("old", x, c, t)  # noqa: E731
-        x, pred = recast.sample(old, noise[n], tuple(c[n // G] for c in cond), sigmas)
-        x0, preds = torch.cat([x0_before, x]), torch.cat([preds_before, pred], 1)
-        del cond, noise, n, x, pred, x0_before, preds_before
+    with marks.phase("rollout"):  # this rank's groups, --batch-size a sampler call
+        loop.live = "last"
+        prompts, my_prompts, x0, preds = recast.rollout(loop, 1)
     bar.update()
-    with marks.phase("score"):  # recast.main, phase 2
-        final = recast.score_all(run["reward_fns"], world.decode(x0), per_image)  # (K, n)
+    with marks.phase("score"):
+        per_image = [p for p in my_prompts for _ in range(G)]
+        final = recast.score_all(loop.reward_fns, world.decode(x0), per_image)  # (K, n)
     bar.update()
-    with marks.phase("recast"):  # recast.score_steps: its autocast takes no meta tensors
+    with marks.phase("recast"):
         step_scores = None
-        if args.weighting in ("recast", "reversed"):
-            shares = [cli.scored_share(args.gain_frac, args.prompts, ws, r) for r in range(ws)]
-            m = max(map(len, shares)) * G  # the rank that scores the most groups
-            precision = run["form"].autocasting() if args.score_precision == "bf16" else None
-            with precision or contextlib.nullcontext():
-                step_scores = recast.trajectory_scores(
-                    run["reward_fns"], world.decode, preds[:, :m], final[:, :m], per_image[:m]
-                )
-            step_scores = gathered(step_scores, ws)
+        if args.weighting in ("recast", "reversed"):  # as the rank that scores the most groups
+            shares = [len(cli.scored_share(args.gain_frac, args.prompts, ws, r)) for r in range(ws)]
+            loop.rank = shares.index(max(shares))
+            step_scores = recast.score_steps(loop, preds, final, per_image)
+            loop.rank = 0
+            if not torch.distributed.is_initialized():  # else score_steps gathered them
+                step_scores = gathered(step_scores, ws)
         final, x0 = gathered(final, ws), gathered(x0, ws, 0)
-        K = final.shape[0]
-        r = torch.rand(final.shape, device=device)  # recast.optimality's r (K, N)
+        r = recast.optimality(loop, final)  # (K, N)
+        K = len(loop.names)  # W: K·T numbers, from the gains' values (not on meta tensors)
         W = torch.full((K, T), 1 / (K * T), device=device)
     bar.update()
-    with marks.phase("update"):  # recast.nft_update: one micro-batch and the optimizer step
-        update(run, marks, prompts, x0, r, W, N)
+    with marks.phase("update"):  # every micro-batch; those of the first optimizer step run
+        loop.live = "first step"
+        recast.nft_update(loop, 1, prompts, x0, r, W, 0)
     bar.update()
-    with marks.phase("eval"):  # recast.evaluate on the last chunk of rank 0's held-out images
+    with marks.phase("eval"):  # harness.evaluate on the last chunk of rank 0's held-out images
         chunk = min(args.batch_size, E_local)
         with marks.making("data"):
             images_before = torch.zeros(E_local - chunk, 3, args.resolution, args.resolution,
                                         device=device)  # fmt: skip
         eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(chunk)]
-        noise = torch.randn(chunk, *latent)
-        scores, images = harness.evaluate(recast.sample, world, run["scorers"], eval_prompts,
-                                          noise, sigmas, chunk)  # fmt: skip
+        noise = torch.randn(chunk, *world.latent_shape)
+        scores, images = harness.evaluate(recast.sample, world, loop.scorers, eval_prompts,
+                                          noise, loop.sigmas, chunk)  # fmt: skip
         del scores, images, images_before, noise
     bar.update()
-    with marks.phase("save"):  # recast.save_epoch, the epoch's data still held
+    with marks.phase("save"):  # harness.save_epoch, the epoch's data still held
         saved(run, marks)
     del base_images, x0, preds, final, step_scores, r, W
 
 
 def saved(run, marks: Marks) -> None:
-    """recast.save_epoch's GPU memory. Under --shard each sharded tensor of the adapters and of
+    """harness.save_epoch's GPU memory. Under --shard each sharded tensor of the adapters and of
     AdamW's state is gathered whole, one at a time, and copied to the host (world.state_dict;
     distributed.optimizer_state, with cpu_offload): counted as the largest trained tensor, fp32,
     twice (the all-gather's output and its unpadded copy). Unsharded the checkpoint's copies are
@@ -559,40 +603,9 @@ def saved(run, marks: Marks) -> None:
     del whole
 
 
-def update(run, marks: Marks, prompts, x0, r, W, N: int) -> None:
-    """One micro-batch of recast.nft_update on rank 0 (its --batch-size / world size pairs), its
-    backward, gradient clipping and the optimizer step (the micro-batch that ends a step)."""
-    args, world, ws = run["args"], run["world"], run["ws"]
-    device, sigmas, params, optimizer = world.device, run["sigmas"], run["params"], run["opt"]
-    B = max(1, args.batch_size // ws)
-    if args.grad_accum > 1:  # the step's earlier micro-batches left their gradients
-        with marks.making("gradients"):
-            for p in params:
-                p.grad = torch.zeros_like(p)
-    cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
-    n = torch.randint(N, (B,), device=device)
-    i = torch.randint(len(sigmas) - 1, (B,), device=device)
-    eps = torch.randn(B, *world.latent_shape, device=device)
-    # the loop's own micro-batch: the fused kernel's operator on a GPU, its reference on the CPU
-    loop = types.SimpleNamespace(
-        world=world,
-        args=args,
-        sigmas=sigmas,
-        nft_loss=run["nft_loss"],
-        observe=contextlib.nullcontext,
-    )  # fmt: skip (pair_loss's Run)
-    loss = recast.pair_loss(loop, x0, cond, r, W, n, i, eps)
-    with marks.making("temporaries"):
-        (loss * B / (B * args.grad_accum)).backward()
-        del loss, cond, eps
-        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
 def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict:
     """The world (diffusersworld.DiffusersWorld with the family's part, on an already-built
-    pipeline), the reward models, the AdamW of recast.setup with its state made, on `device`
+    pipeline), the reward models, the AdamW of harness.setup with its state made, on `device`
     ("meta", or "cpu" for the allocator check) in the GPU's precisions (bf16 transformer and text
     encoders) when planning for a GPU. With --shard on the CPU (the allocator check, under a gloo
     process group) the models are sharded for real, by recast.py's own shard_models."""
@@ -617,7 +630,7 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
 
         shard_models(world.shardable(), torch.device("cpu"))
     params = [p for p in world.trainable.parameters() if p.requires_grad]
-    # recast.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
+    # harness.setup's AdamW takes its foreach form on CUDA; on meta it would take the for-loop one
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, foreach=True)
     for p in params:  # a later step: the state exists (exp_avg, exp_avg_sq, step)
         p.grad = torch.zeros_like(p)
@@ -658,7 +671,7 @@ def _bytes(module: torch.nn.Module, share=None) -> float:
 
 
 def load_phase(run: dict, own) -> dict:
-    """Loading (recast.setup, DiffusersWorld), counted from the models' sizes (not traced): its
+    """Loading (harness.setup, DiffusersWorld), counted from the models' sizes (not traced): its
     GPU peak on one rank as a phase {"peak", "parameters", the other kinds 0}, and the host memory
     it takes, "host_rank0", "host_rank" (any other rank) and "host_node" (rank 0's node: up to
     GPUS_PER_NODE ranks), bytes. Without --shard every rank reads the pipeline whole onto its host

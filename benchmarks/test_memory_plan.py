@@ -263,3 +263,41 @@ def test_a_scale_check_run_is_planned_with_its_own_flags():
     assert flags == ["--resolution", "1024", "--prompts", "2", "--grad-checkpointing",
                      "--weighting", "uniform", "--eval-prompts", "4", "--no-suggest"]  # fmt: skip
     mp.parse(flags)  # the planner takes them
+
+
+def test_the_plan_runs_every_batch_and_the_transformer_where_the_peak_is():
+    """PlannedRun.progress, recast.py's loops under the planner: every batch runs; the world's
+    transformer (Autocasting.live) runs on the last batch, and the last full one too where the
+    last is partial; in the update, on the micro-batches of the first optimizer step."""
+    import types
+
+    world = types.SimpleNamespace(live=True)
+    loop = mp.PlannedRun(types.SimpleNamespace(grad_accum=2), [], None, 0, 1, world, {}, {}, None,
+                         [], None, marks=mp.Marks())  # fmt: skip
+
+    def live(starts, rule):
+        loop.live, seen = rule, []
+        for s in loop.progress(starts, "loop"):
+            seen.append((s, world.live))
+        assert world.live  # and back on after the loop
+        return seen
+
+    assert live(range(0, 48, 16), "last") == [(0, False), (16, False), (32, True)]
+    assert live(range(0, 50, 16), "last") == [(0, False), (16, False), (32, True), (48, True)]
+    assert live(range(0, 16, 16), "last") == [(0, True)]
+    assert live(range(0, 40, 10), "first step") == [(0, True), (10, True), (20, False),
+                                                    (30, False)]  # fmt: skip
+
+
+def test_a_velocity_not_computed_has_the_computed_ones_shape_and_needs_grad_for_the_policy():
+    class World:
+        def v(self, which, x, cond, t):
+            raise AssertionError("the transformer ran")
+
+    world = mp.Autocasting(World(), form=None)
+    world.live = False
+    x = torch.zeros(3, 16, 8, 8, device="meta", dtype=torch.bfloat16)
+    v = world.v("policy", x, None, None)
+    assert v.shape == x.shape and v.dtype == torch.float32 and v.requires_grad and v.is_meta
+    with torch.no_grad():
+        assert not world.v("old", x, None, None).requires_grad
