@@ -354,11 +354,12 @@ EVAL_SEED = 20260929  # the same eval noise for every run, so runs compare on th
 
 @torch.no_grad()
 def evaluate(sample, world, scorers: dict, prompts: list[str], noise, sigmas, chunk: int,
-             which="policy"):  # fmt: skip
+             which="policy", progress=None):  # fmt: skip
     """Mean score per reward/judge of the policy `which` on (prompts × noise), sampled by
-    `sample` (recast.sample) in chunks of `chunk` images, and the images."""
-    images = []
-    for s in range(0, len(prompts), chunk):
+    `sample` (recast.sample) in chunks of `chunk` images, and the images. `progress` (Run's)
+    wraps the loop over the chunks."""
+    images, starts = [], range(0, len(prompts), chunk)
+    for s in progress(starts, "eval") if progress else starts:
         cond = world.encode(prompts[s : s + chunk])
         x0, _ = sample(
             lambda x, c, t: world.v(which, x, c, t),
@@ -409,7 +410,7 @@ class EvalSet:
         run = self.run
         scorers = run.scorers if scorers is None else scorers
         means, images = evaluate(self.sample, run.world, scorers, self.prompts, self.noise,
-                                 run.sigmas, run.args.batch_size, which)  # fmt: skip
+                                 run.sigmas, run.args.batch_size, which, run.progress)  # fmt: skip
         return {k: mean_all(v.to(run.world.device)) for k, v in means.items()}, images
 
     def __call__(self, epoch: int, metrics: dict) -> None:

@@ -3,7 +3,8 @@
 Several rewards train one image model. The user says how much each reward matters (budgets λ);
 ReCAST decides *when* during denoising each reward's feedback is spent. Every epoch:
   1. the old policy samples G images per prompt, keeping the clean prediction x̂0 of every step;
-  2. each reward's scores become per-group optimality probabilities r ∈ [0, 1];
+  2. each reward's scores become per-group optimality probabilities r (in [0, 1] per reward on
+     its own scale; under the default joint normalisation the loss clamps their mix instead);
   3. for reward k and step i, the Rényi discriminability D_k,i between the reward-tilted
      ("positive") policy and the current one, as far as step i has decided it; its increments are
      the gains g_k,i. Sinkhorn turns them into W (K × T): rows sum to λ, columns to 1/T, and each
@@ -199,7 +200,8 @@ from recast_kernels.renyi import renyi_gains
 @torch.no_grad()
 def sample(velocity, noise: torch.Tensor, cond, sigmas: torch.Tensor):
     """Euler from t_0 = 1 to t_T = 0, keeping the clean prediction x̂0_i = x_t_i - t_i·v at
-    every step (it costs nothing extra). Returns x0 (N, C, H, W) and x̂0 (T, N, C, H, W)."""
+    every step (it costs nothing extra). Returns x0 (N, *latent) and x̂0 (T, N, *latent), one
+    image's latent being (C, H, W) or (tokens, channels) (World.latent_shape)."""
     x, preds = noise, []
     for i in range(len(sigmas) - 1):
         v = velocity(x, cond, sigmas[i].expand(len(x)))
@@ -210,7 +212,7 @@ def sample(velocity, noise: torch.Tensor, cond, sigmas: torch.Tensor):
 
 def rollout(run: Run, epoch: int):
     """P prompts × G images from the old policy; this rank samples its share of the groups.
-    Returns every rank's prompts, this rank's prompts, x0 (n, C, H, W) and x̂0 (T, n, C, H, W)."""
+    Returns every rank's prompts, this rank's prompts, x0 (n, *latent) and x̂0 (T, n, *latent)."""
     args, world, G = run.args, run.world, run.args.group_size
     g_prompts, g_noise = epoch_generator(args.seed, epoch, 0), epoch_generator(args.seed, epoch, 1)
     idx = torch.randint(len(world.train_prompts), (args.prompts,), generator=g_prompts)

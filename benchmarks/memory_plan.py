@@ -36,7 +36,8 @@ the phase's peak (PlannedRun.progress), the others get its output's tensor witho
 - update: recast.nft_update, every micro-batch, those of its first optimizer step through the
   policy (with grad, through LoRA), the old and the reference: kernels.nft_loss, backward,
   gradient clipping and the AdamW step, with the optimizer's state already made (a later step's);
-- eval: harness.evaluate on the last --batch-size held-out images, the earlier ones held;
+- eval: harness.evaluate of this rank's held-out images in chunks of --batch-size, the last
+  chunk (and the last full one) through the transformer, the images kept and concatenated;
 - save: harness.save_epoch's checkpoint (under --shard, its gather of the largest trained tensor).
 Before them, loading (load_phase, counted from the models' sizes, not traced): the GPU's peak
 while the models are loaded (every model whole without --shard; under --shard the rank's shards,
@@ -572,16 +573,16 @@ def epoch(run, marks: Marks, bar) -> None:
         loop.live = "first step"
         recast.nft_update(loop, 1, prompts, x0, r, W, 0)
     bar.update()
-    with marks.phase("eval"):  # harness.evaluate on the last chunk of rank 0's held-out images
-        chunk = min(args.batch_size, E_local)
-        with marks.making("data"):
-            images_before = torch.zeros(E_local - chunk, 3, args.resolution, args.resolution,
-                                        device=device)  # fmt: skip
-        eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(chunk)]
-        noise = torch.randn(chunk, *world.latent_shape)
-        scores, images = harness.evaluate(recast.sample, world, loop.scorers, eval_prompts,
-                                          noise, loop.sigmas, chunk)  # fmt: skip
-        del scores, images, images_before, noise
+    with marks.phase("eval"):  # harness.evaluate of rank 0's held-out images, in chunks
+        loop.live = "last"
+        eval_prompts = [world.eval_prompts[i % len(world.eval_prompts)] for i in range(E_local)]
+        with marks.making("data"):  # on the device, so that the CPU check counts what the plan
+            noise = torch.randn(E_local, *world.latent_shape, device=device)  # does: a run keeps
+        # it on the host and moves a chunk at a time (the plan's over by the other chunks' noise)
+        chunk, prompts_e = args.batch_size, eval_prompts  # EvalSet's chunks: --batch-size
+        scores, images = harness.evaluate(recast.sample, world, loop.scorers, prompts_e, noise,
+                                          loop.sigmas, chunk, progress=loop.progress)  # fmt: skip
+        del scores, images, noise
     bar.update()
     with marks.phase("save"):  # harness.save_epoch, the epoch's data still held
         saved(run, marks)
