@@ -75,6 +75,11 @@ class World(Protocol):
 
 @dataclass
 class Run:
+    """What every phase of recast.py reads: the flags, the rewards and their budgets, this rank,
+    the world, the optimizer; and the hooks through which the benchmarks watch or plan the same
+    loop (observe, nft_loss, and the methods autocast and progress, which
+    benchmarks/memory_plan.py's PlannedRun replaces) instead of copying it."""
+
     args: object  # recast.Args: the flags
     names: list[str]  # reward names, in --lambda order
     lam: torch.Tensor  # (K,) float64, sums to 1
