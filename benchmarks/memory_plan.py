@@ -493,9 +493,9 @@ class PlannedRun(harness.Run):
     """harness.Run with the planner's hooks, so that recast.py's own phase functions run on the
     meta models: `progress` (each loop of the method over its batches) lets the transformer run on
     the batches that set the phase's peak only, the others getting velocities of the right shape,
-    made but not computed (LiveForwards), their outputs kept as data; `autocast` is the GPU form's
-    (torch.autocast takes no meta tensors); `observe` counts backward and the optimizer step as
-    temporaries."""
+    made but not computed (Autocasting.live), their outputs kept as data; `autocast` is the GPU
+    form's (torch.autocast takes no meta tensors); `observe` counts backward and the optimizer
+    step as temporaries."""
 
     marks: Marks | None = None
     form: memtrace.GpuForm | None = None
@@ -579,9 +579,9 @@ def epoch(run, marks: Marks, bar) -> None:
         with marks.making("data"):  # on the device, so that the CPU check counts what the plan
             noise = torch.randn(E_local, *world.latent_shape, device=device)  # does: a run keeps
         # it on the host and moves a chunk at a time (the plan's over by the other chunks' noise)
-        chunk, prompts_e = args.batch_size, eval_prompts  # EvalSet's chunks: --batch-size
-        scores, images = harness.evaluate(recast.sample, world, loop.scorers, prompts_e, noise,
-                                          loop.sigmas, chunk, progress=loop.progress)  # fmt: skip
+        scores, images = harness.evaluate(recast.sample, world, loop.scorers, eval_prompts,
+                                          noise, loop.sigmas, args.batch_size,  # EvalSet's chunks
+                                          progress=loop.progress)  # fmt: skip
         del scores, images, noise
     bar.update()
     with marks.phase("save"):  # harness.save_epoch, the epoch's data still held

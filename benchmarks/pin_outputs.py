@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def launch(code: Path, name: str, out: Path, fill: dict, env: dict) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}", "recast.py", *flags]  # fmt: skip
     if out.exists():  # an interrupted run: start it again
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+        shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:

@@ -52,7 +52,7 @@ DEFAULT = "\ndefault: "  # where a flag's help says its default
 def help_text(doc: str, default) -> str:
     """A flag's help: its docstring, then its default, the docstring's own `default:` line where
     it has one (a default that depends on other flags, said in words)."""
-    body, said, own = (re.sub(r"\n\s*default: ", DEFAULT, doc, count=1)).partition(DEFAULT)
+    body, said, own = re.sub(r"\n\s*default: ", DEFAULT, doc, count=1).partition(DEFAULT)
     return f"{body}{DEFAULT}{own if said else repr(default)}"
 
 
