@@ -26,7 +26,13 @@ from plumbing.plots import timestep_centroid
 from worlds import hub, toyworld
 
 # A flag's value in runs made before the flag existed (their args.json lacks it).
-BEFORE = {"gain_shift": 0, "normalize": "per-reward", "shard": False, "precision": "auto"}
+BEFORE = {
+    "gain_shift": 0,
+    "normalize": "per-reward",
+    "shard": False,
+    "precision": "auto",
+    "reward_scale": "",
+}
 
 # Flags that may change on --resume; every other one defines the method and must match.
 RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile"}
@@ -215,9 +221,11 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     args = cli.parse(flags, argv, doc, BEFORE)
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if distributed else 1
-    if args.weighting == "sum" and cli.given(argv, ["normalize"]):
+    if args.weighting == "sum" and cli.given(argv, ["normalize"]) and args.normalize != (
+            "unit-joint"):  # fmt: skip
         cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
-                 "--normalize (joint with --weighting uniform is the same loss)")  # fmt: skip
+                 "--normalize for the sum of the raw scores, or give --normalize unit-joint for "
+                 "the sum of unit-free ones")  # fmt: skip
     if args.shard and not is_diffusers(args.model):
         cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
                  "diffusers models, --model)")  # fmt: skip
@@ -295,7 +303,8 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
             scorers.update({n: rewards.get(n, device) for n in group})
         except (ImportError, OSError, ValueError) as e:
             cli.fail(flag, f"could not load a reward model: {e}")
-    reward_fns = {n: scorers[n] for n in names}
+    scale = parse_scale(args.reward_scale, names)
+    reward_fns = {n: in_units(scorers[n], f) for n, f in zip(names, scale, strict=True)}
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sigmas = world.sigmas(args.steps)
@@ -303,13 +312,52 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
                optimizer)  # fmt: skip
 
 
+def parse_scale(text: str, names: list[str]) -> list[float]:
+    """--reward-scale → one positive, finite factor per reward (empty: 1 each)."""
+    if not text.strip():
+        return [1.0] * len(names)
+    example = "--reward-scale " + ",".join(["1"] * len(names))
+    try:
+        scale = [float(x) for x in text.split(",")]
+    except ValueError:
+        cli.fail("--reward-scale", f"{text!r} is not a comma-separated list of numbers, e.g. "
+                 f"{example}")  # fmt: skip
+    if len(scale) != len(names):
+        cli.fail("--reward-scale", f"{len(scale)} factors for {len(names)} rewards "
+                 f"({', '.join(names)}), e.g. {example}")  # fmt: skip
+    if not all(math.isfinite(f) and f > 0 for f in scale):
+        cli.fail("--reward-scale", f"factors must be finite and > 0, got {text!r}")
+    return scale
+
+
+def in_units(fn, factor: float):
+    """The reward `fn` with its scores multiplied by `factor` (itself when 1)."""
+    if factor == 1:
+        return fn
+    return lambda images, prompts: fn(images, prompts) * factor
+
+
+def signal_rule(args) -> str:
+    """The normalisation whose signal the loss reads: --normalize, or for --weighting sum (one
+    reward Σ λ_k s_k) joint's on raw scores, unit-joint's on unit-free ones."""
+    if args.weighting == "sum":
+        return "unit-joint" if args.normalize == "unit-joint" else "joint"
+    return args.normalize
+
+
 def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
     """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
     the within-group spread of its advantage A_k under `normalize` (joint: its raw spread over the
-    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies),
-    summed to 1. The signal ReCAST distributes over timesteps is λ's only under per-reward and
-    batch; under joint (and --weighting sum) raw scale weighs in too (DESIGN §3)."""
+    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies;
+    unit-joint: joint's of the scores over their pooled spreads), summed to 1. The signal ReCAST
+    distributes over timesteps is λ's, in no units, under per-reward and batch, and λ's of
+    unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale weighs
+    in too (DESIGN §3)."""
     s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
+    if normalize == "unit-joint":  # joint's share of the unit-free scores
+        pooled = s.std(-1, correction=0).pow(2).mean(-1, keepdim=True).sqrt()  # (K, 1)
+        s = torch.where(pooled[..., None] > 0, s / pooled.clamp_min(1e-300)[..., None], 0)
+        normalize = "joint"
     spread = s.std(-1, correction=0)  # (K, M)
     lam = lam.to(s)
     if normalize == "joint":
@@ -345,8 +393,7 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     rows = ["sum"] if run.args.weighting == "sum" else run.names
     adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
     out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
-    norm = "joint" if run.args.weighting == "sum" else run.args.normalize  # sum: joint's signal
-    share = signal_share(final, run.lam, run.args.group_size, norm)
+    share = signal_share(final, run.lam, run.args.group_size, signal_rule(run.args))
     out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
     return out
 

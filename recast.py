@@ -61,13 +61,14 @@ class Args:
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
     reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
     score no step prediction (DiffusionNFT's cost)"""
-    normalize: Literal["joint", "per-reward", "batch"] = "joint"
+    normalize: Literal["joint", "per-reward", "batch", "unit-joint"] = "joint"
     """joint (every reward's centred score divided by the group spread of the λ-weighted sum, so
     W = λ/T is --weighting sum exactly) | per-reward (each reward's advantage divided by its own
     group spread) | batch (each reward's centred score divided by its within-group spread pooled
-    over the whole batch): DESIGN §3
+    over the whole batch) | unit-joint (joint on the scores divided by batch's spreads: λ weighs
+    rewards in no units, r unchanged when a reward's units change): DESIGN §3
     default: 'joint'; 'per-reward' with --weighting uniform (joint with uniform is --weighting
-    sum); --weighting sum takes none (one reward)"""
+    sum); with --weighting sum only unit-joint may be given (the sum of unit-free scores)"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -92,6 +93,10 @@ class Args:
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
     bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32
     default: 'fp32'; 'bf16' with a diffusers --model"""
+    reward_scale: str = ""
+    """factors, one per reward in --rewards order, that multiply its scores before anything reads
+    them: the rewards written in other units (docs/results.md, the units test); eval and the
+    judges keep each reward's own units (default: 1 each)"""
     # --- rollout ---
     epochs: int = 20
     """training epochs (rollout + update)"""
@@ -280,12 +285,44 @@ def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
     return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
 
 
+def pooled_spread(final: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(K, 1) each reward's within-group spread pooled over the batch, √(mean over groups of the
+    group variance), a group whose scores are all equal counting exactly 0: batch's σ_k."""
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    centred = s - s.mean(-1, keepdim=True)
+    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, as in group_optimality
+    centred = torch.where(flat, torch.zeros_like(centred), centred)
+    return centred.pow(2).mean((-2, -1)).sqrt()[:, None]
+
+
+def unit_free(scores: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """Scores (K, ...) divided by each reward's pooled spread (K, 1): numbers in no units. A
+    reward flat in every group (spread 0) becomes 0, so its r is 1/2 (harness notes it)."""
+    spread = spread.reshape(-1, *[1] * (scores.dim() - 1)).to(scores)
+    return torch.where(spread > 0, scores / torch.where(spread > 0, spread, 1), 0)
+
+
+def unit_joint_optimality(final: torch.Tensor, lam: torch.Tensor, group_size: int,
+                          adv_clip_max: float = 5.0) -> torch.Tensor:  # fmt: skip
+    """--normalize unit-joint: joint_optimality of the unit-free scores s_k / σ_k (σ_k: batch's
+    pooled spread, every rank's groups). Scaling reward k by c > 0 and shifting it by b scales
+    σ_k by c and leaves s_k / σ_k's group deviations, hence r, unchanged; the 1e-4 guard now
+    meets numbers in no units: 1e-4 of a reward's own spread."""
+    return joint_optimality(unit_free(final, pooled_spread(final, group_size)), lam, group_size,
+                            adv_clip_max)  # fmt: skip
+
+
 def optimality(run: Run, final: torch.Tensor) -> torch.Tensor:
     """r (K, N) of every rank's final scores (K, N) under --normalize; with --weighting sum,
-    DiffusionNFT's single reward Σ_k λ_k s_k, normalised per group (1, N)."""
+    DiffusionNFT's single reward Σ_k λ_k s_k, normalised per group (1, N), of the raw scores or,
+    under unit-joint, of the unit-free ones (= unit-joint with W = λ/T)."""
     G, A = run.args.group_size, run.args.adv_clip_max
     if run.args.weighting == "sum":
+        if run.args.normalize == "unit-joint":
+            final = unit_free(final, pooled_spread(final, G))
         return group_optimality((run.lam.to(final) @ final)[None], G, A)
+    if run.args.normalize == "unit-joint":
+        return unit_joint_optimality(final, run.lam, G, A)
     if run.args.normalize == "joint":
         return joint_optimality(final, run.lam, G, A)
     if run.args.normalize == "batch":
@@ -366,10 +403,19 @@ def recast_weights(gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, flo
     return W.float()
 
 
+def gain_scores(run: Run, step_scores: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """The step scores (K, T+1, n) the gains read: as scored, or under unit-joint divided by
+    each reward's pooled spread of the epoch's final scores (K, N), so that the gains too are
+    the same in any units (their 1e-4 guard then meets numbers in no units)."""
+    if run.args.normalize != "unit-joint":
+        return step_scores
+    return unit_free(step_scores, pooled_spread(final, run.args.group_size))
+
+
 def weights(run: Run, step_scores, gains_ema, metrics: dict):
-    """The gains of this epoch's step scores (None: not scored this epoch), their EMA across
-    epochs, and W (K, T) for --weighting recast | reversed | uniform | sum. Returns
-    (W, gains_ema)."""
+    """The gains of this epoch's step scores (None: not scored this epoch; gain_scores' units),
+    their EMA across epochs, and W (K, T) for --weighting recast | reversed | uniform | sum.
+    Returns (W, gains_ema)."""
     with run.observe("weights"):
         args, K, T = run.args, len(run.names), run.args.steps
         if step_scores is not None:
@@ -510,14 +556,15 @@ def profile(run: Run) -> None:
     per_image = [p for p in my_prompts for _ in range(G)]
     final = score_all(run.reward_fns, world.decode(x0), per_image)
     step_scores = score_steps(run, preds, final, per_image)  # (K, T+1, every rank's scored)
-    D, gains = renyi_gains(step_scores, G, args.alpha, args.adv_clip_max)
+    D, gains = renyi_gains(gain_scores(run, step_scores, gather(final)), G, args.alpha,
+                           args.adv_clip_max)  # fmt: skip
 
     def w_of(g, lam):  # the gains' profiles and W (DESIGN §5), float64
         W = recast_weights(g, lam, args.tau, args.floor, args.gain_shift)
         return gain_profiles(g, args.floor, args.gain_shift), W.double()
 
     p = reward_profile.report(step_scores, D, gains, run.lam, run.names, args, source, w_of)
-    p["normalize"] = "joint" if args.weighting == "sum" else args.normalize  # sum: joint's signal
+    p["normalize"] = harness.signal_rule(args)
     p["share"] = harness.signal_share(step_scores[:, -1], run.lam, G, p["normalize"]).tolist()
     p["seconds"] = time.perf_counter() - tic
     if dist.is_initialized():
@@ -575,6 +622,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                     m["groups/scored"] = step_scores.shape[-1] // G
                 final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
                 r = optimality(run, final)
+                if step_scores is not None:
+                    step_scores = gain_scores(run, step_scores, final)
                 W, gains_ema = weights(run, step_scores, gains_ema, m)
             m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
             g = final.view(len(names), -1, G)  # a constant group: max = min (DESIGN §4)

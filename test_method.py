@@ -46,6 +46,95 @@ def test_r_is_the_r_inside_the_gains_kernel(dtype):
                        renyi._group_optimality(scores, 8, 5.0))  # fmt: skip
 
 
+# Units (DESIGN §3): which rules give the same r when a reward is written in other units
+# ---------------------------------------------------------------------------------------------
+def _r(rule: str, scores: torch.Tensor, lam: torch.Tensor, G: int = 8) -> torch.Tensor:
+    """r of `scores` (K, N) as recast.optimality makes it under `rule` (a --normalize choice, or
+    'sum' / 'sum unit-joint' for --weighting sum on raw or unit-free scores)."""
+    from types import SimpleNamespace
+
+    weighting, _, normalize = rule.partition(" ")
+    if weighting != "sum":
+        weighting, normalize = "recast", rule
+    args = SimpleNamespace(group_size=G, adv_clip_max=5.0, weighting=weighting,
+                           normalize=normalize or "per-reward")  # fmt: skip
+    return recast.optimality(SimpleNamespace(args=args, lam=lam), scores)
+
+
+RULES = ["per-reward", "batch", "joint", "unit-joint", "sum", "sum unit-joint"]
+UNIT_FREE = {"unit-joint", "sum unit-joint"}  # exactly; per-reward and batch to the 1e-4 guard
+
+
+def _scores(dtype=torch.float64, spread=(1.0, 0.1, 3.0, 0.5), G=8, M=12, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.tensor(spread, dtype=dtype)[:, None] * torch.randn(4, G * M, generator=gen,
+                                                                      dtype=dtype)  # fmt: skip
+    scores[:, :G] = 0.25  # a group flat in every reward
+    scores[1, G : 2 * G] = -3.0  # a group flat in one reward
+    return scores
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_units_change_r_only_under_the_rules_that_read_raw_scale(rule):
+    """Each reward multiplied by a positive factor and shifted (other units): r is unchanged to
+    float rounding under the unit-free rules, and moves under joint and the raw sum. Per-reward
+    and batch move by what the fixed 1e-4 guard takes, at most 1e-4/σ of an advantage where σ
+    is the smallest group spread (the next test)."""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    scores = _scores()
+    c = torch.tensor([10.0, 0.1, 1.0, 3.7], dtype=torch.float64)[:, None]
+    b = torch.tensor([-20.0, 5.0, 0.0, 1e3], dtype=torch.float64)[:, None]
+    r, moved = _r(rule, scores, lam), _r(rule, c * scores + b, lam)
+    assert torch.isfinite(r).all() and r.shape[1] == scores.shape[1]
+    if rule in UNIT_FREE:
+        torch.testing.assert_close(moved, r, rtol=0, atol=1e-12)
+    elif rule in ("per-reward", "batch"):  # |ΔA| ≤ |A|·1e-4/σ, σ the smallest group spread
+        g = (c * scores).unflatten(1, (-1, 8)).std(-1, correction=0)
+        bound = 5.0 * 1e-4 / g[g > 0].min() / 10  # |A| ≤ A_max = 5, and r = 1/2 + A/10
+        assert 0 < (moved - r).abs().max() <= bound
+    else:
+        assert (moved - r).abs().max() > 0.01  # joint and the raw sum read the units
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unit_joint_holds_where_the_fixed_guard_does_not(dtype):
+    """The limit of per-reward's and batch's invariance: a reward of within-group spread σ keeps
+    σ / (σ + 1e-4) of its advantage, so written in units where σ = 5e-4 it loses a sixth. Under
+    unit-joint the guard meets numbers in no units: the same r in those units as in any other
+    (fp32: to its rounding, offsets included), and a reward flat in every group gets 1/2."""
+    lam = torch.tensor([0.25, 0.25, 0.25, 0.25], dtype=torch.float64)
+    scores = _scores(dtype)
+    s1 = scores[1].unflatten(0, (-1, 8))
+    s1 = s1 - s1.mean(-1, keepdim=True)
+    sigma = s1.std(-1, correction=0)  # reward 1's spread in each group
+    small = scores.clone()
+    small[1] = scores[1] * (5e-4 / sigma[2])  # group 2 of reward 1 now spreads 5e-4
+    A = lambda r: 10 * (r - 0.5)  # noqa: E731  (A_max = 5)
+    kept = A(_r("per-reward", small, lam))[1, 16:24] / A(_r("per-reward", scores, lam))[1, 16:24]
+    expected = 5e-4 / (5e-4 + 1e-4) * (sigma[2] + 1e-4) / sigma[2]  # 5/6, over the big units'
+    torch.testing.assert_close(kept, torch.full_like(kept, expected.item()), rtol=1e-4, atol=0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for moved in (small, small * 1e3 + 20.0):
+        torch.testing.assert_close(_r("unit-joint", moved, lam), _r("unit-joint", scores, lam),
+                                   rtol=0, atol=tol)  # fmt: skip
+    flat = scores.clone()
+    flat[2] = 7.0  # reward 2 constant over the batch: pooled spread 0
+    r = _r("unit-joint", flat, lam)
+    assert torch.isfinite(r).all() and (recast.pooled_spread(flat, 8)[2] == 0).all()
+    others = _r("unit-joint", flat[[0, 1, 3]], lam[[0, 1, 3]])  # as if it were not there
+    torch.testing.assert_close(r[[0, 1, 3]], others, rtol=0, atol=tol)
+    assert (r[2] == 0.5).all()
+
+
+def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
+    """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
+    unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    scores = _scores()
+    mix = lam @ _r("unit-joint", scores, lam)  # W = λ/T: every column mixes r by λ
+    torch.testing.assert_close(mix.clamp(0, 1), _r("sum unit-joint", scores, lam)[0])
+
+
 # gain_profiles and recast_weights: the weight matrix W (DESIGN §5)
 # ---------------------------------------------------------------------------------------------
 LAM = torch.tensor([0.4, 0.2, 0.2, 0.2])

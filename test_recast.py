@@ -735,6 +735,36 @@ def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path, capsy
     assert moved.value.code == 2 and "--normalize" in capsys.readouterr().err
 
 
+def test_unit_joint_trains_the_same_in_any_units_and_joint_does_not(tmp_path):
+    """A whole epoch with the rewards written in other units (--reward-scale): under unit-joint
+    the loss, the gains, W and each reward's share of the signal are the native units' to float
+    rounding; under joint the shares move. The flag is saved with the run."""
+    from plumbing.checkpoints import read_metrics
+
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY, "--epochs", "1", "--eval-every", "1"]
+    units = ["--reward-scale", "10,0.1,1,10"]
+    runs = {}
+    for name, extra in (
+        ("unit", ["--normalize", "unit-joint"]),
+        ("joint", ["--normalize", "joint"]),
+    ):
+        for tag, u in (("native", []), ("moved", units)):
+            main_here(*flags, *extra, *u, "--out", tmp_path / f"{name}-{tag}")
+            runs[name, tag] = read_metrics(str(tmp_path / f"{name}-{tag}"))[1]
+    a, b = runs["unit", "native"], runs["unit", "moved"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    torch.testing.assert_close(torch.tensor(b["W"]), torch.tensor(a["W"]), rtol=0, atol=1e-6)
+    assert b["gap/weighted"] == pytest.approx(a["gap/weighted"], abs=1e-6)
+    assert b["share/color"] == pytest.approx(a["share/color"], abs=1e-6)
+    torch.testing.assert_close(torch.tensor(runs["unit", "moved"]["gains"]),
+                               torch.tensor(runs["unit", "native"]["gains"]), rtol=1e-4,
+                               atol=1e-7)  # fmt: skip
+    a, b = runs["joint", "native"], runs["joint", "moved"]
+    assert b["share/color"] < a["share/color"] / 10  # joint reads the units: color ×0.1
+    saved = json.loads((tmp_path / "unit-moved" / "args.json").read_text())
+    assert saved["reward_scale"] == "10,0.1,1,10" and saved["normalize"] == "unit-joint"
+
+
 def main_here(*flags, env=None) -> None:
     """recast.main(flags) in this process, as `python recast.py` runs it on CPU but without a
     fresh interpreter's seconds of imports: nft_loss and renyi_gains take their PyTorch reference
@@ -941,6 +971,12 @@ BAD_INPUT = [
         ["--lambda", "0.4,0.2,0.2,0.2", "--normalize", "joint", "--weighting", "sum"],
         "--normalize",
     ),  # sum is one reward: normalising it jointly means nothing  # fmt: skip
+    (["--lambda", "0.4,0.2,0.2,0.2", "--normalize", "batch", "--weighting", "sum"], "--normalize"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--reward-scale", "1,1,1"], "--reward-scale"),  # three
+    (["--lambda", "0.4,0.2,0.2,0.2", "--reward-scale", "1,0,1,1"], "--reward-scale"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--reward-scale", "1,-2,1,1"], "--reward-scale"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--reward-scale", "1,inf,1,1"], "--reward-scale"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--reward-scale", "1,x,1,1"], "--reward-scale"),
 ]
 
 

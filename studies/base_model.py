@@ -193,7 +193,7 @@ def measure(prompts: int = 64, group_size: int = 8, seed: int = 0) -> dict:
         boot.append(plots.timestep_centroid(gain_profiles(g.double(), 0.1, 1)))
     return {
         "names": names, "headroom_over_spread": ((ideal.mean(1) - final.mean((1, 2))) / spread),
-        "spreads": (final.std(2) > 0).float().mean(1), "corr": corr,
+        "spreads": (final.std(2) > 0).float().mean(1), "corr": corr, "spread": spread,
         "centroid": plots.timestep_centroid(gain_profiles(gains.double(), 0.1, 1)),
         "centroid_std": torch.stack(boot).std(0),
     }  # fmt: skip
@@ -203,11 +203,13 @@ def print_measure() -> None:
     m = measure()
     print("the eight rewards on the base model, 64 training prompts × 8 images (studies/"
           "base_model.py --measure):\n")  # fmt: skip
-    print("| reward | headroom ÷ spread | groups that spread | profile centroid | " +
+    print("| reward | within-group spread | headroom ÷ spread | groups that spread | "
+          "profile centroid | " +
           " | ".join(m["names"]) + " |")  # fmt: skip
-    print("|---" * (4 + len(m["names"])) + "|")
+    print("|---" * (5 + len(m["names"])) + "|")
     for k, n in enumerate(m["names"]):
-        print(f"| {n} | {m['headroom_over_spread'][k]:.2f} | {m['spreads'][k]:.2f} | "
+        print(f"| {n} | {m['spread'][k]:.4f} | {m['headroom_over_spread'][k]:.2f} | "
+              f"{m['spreads'][k]:.2f} | "
               f"{m['centroid'][k]:.2f} ± {m['centroid_std'][k]:.2f} | "
               + " | ".join(f"{v:+.2f}" for v in m["corr"][k].tolist()) + " |")  # fmt: skip
 
