@@ -296,6 +296,10 @@ PRESETS = {
     # centroids far apart (wider than setting 1's), and close together (closer than setting 2's)
     "toy3": ("color", "elongation", "background", "outline"),
     "toy4": ("size", "texture", "elongation", "background"),
+    # settings 5 and 6, the units test's (#57), fixed on base-model measurements before any run in
+    # them: the rewards' within-group spreads most unequal (81×) and most alike (4.4×)
+    "toy5": ("position", "color", "elongation", "texture"),
+    "toy6": ("color", "size", "elongation", "outline"),
 }
 TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names, *PRESETS["toy2"]))
 CHUNK = 32  # images per reward-model forward

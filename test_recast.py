@@ -424,7 +424,7 @@ def test_each_setting2_reward_measures_its_own_property(k, base_groups2):
 
 
 EIGHT = [*tw.ToyWorld.reward_names, *TOY2]  # every toy reward; settings 3 and 4 recombine them
-SETTINGS34 = {name: rewards.PRESETS[name] for name in ("toy3", "toy4")}
+SETTINGS34 = {name: rewards.PRESETS[name] for name in ("toy3", "toy4", "toy5", "toy6")}
 
 
 @pytest.fixture(scope="module")
@@ -446,8 +446,8 @@ def base_groups8():
 
 @pytest.mark.xdist_group("base_groups")  # their module fixtures, built once
 @pytest.mark.parametrize("setting", SETTINGS34)
-def test_settings_3_and_4_have_headroom_spread_and_are_independent(setting, base_groups8):
-    """What settings 3 and 4 were chosen for (docs/toy_world.md#settings-3-and-4), as setting 2's
+def test_settings_3_to_6_have_headroom_spread_and_are_independent(setting, base_groups8):
+    """What settings 3 to 6 were chosen for (docs/toy_world.md#settings-3-and-4), as setting 2's
     test pins for it: headroom over the within-group spread, spread in most groups, and no two
     correlated beyond 0.3 within groups."""
     rows = [EIGHT.index(n) for n in SETTINGS34[setting]]

@@ -127,6 +127,30 @@ for _n, _flags in (("t3", SETTING3), ("t4", SETTING4)):
     ARMS.update({f"{_n}-uniform": [*_flags, "--weighting", "uniform"],
                  f"{_n}-sum": [*_flags, "--weighting", "sum"], f"{_n}-recast": [*_flags, *SHIPPED],
                  f"{_n}-joint": [*_flags, *SHIPPED, "--normalize", "joint"]})  # fmt: skip
+# The units test (#57): settings 5 and 6, fixed before any run in them (docs/toy_world.md), each
+# run in the rewards' native units (t5-, t6-) and in changed units (t5x-, t6x-: every reward's
+# scores times a factor drawn once from {0.1, 1, 10} with seed 57, written in the protocol first).
+TOY5 = ["position", "color", "elongation", "texture"]  # rewards.PRESETS["toy5"]
+TOY6 = ["color", "size", "elongation", "outline"]  # rewards.PRESETS["toy6"]
+UNITS = {5: "0.1,1,10,10", 6: "0.1,0.1,10,1"}  # --reward-scale of the changed units
+JUDGES5 = [*JUDGES, "sharpness", "background", "size", "outline"]
+JUDGES6 = [*JUDGES, "position", "sharpness", "background", "texture"]
+UNIT_ARMS = {  # arm → its flags in both unit systems; uniform first (every arm is paired with it)
+    "uniform": ["--weighting", "uniform"],
+    "sum": ["--weighting", "sum"],  # DiffusionNFT's Σ λ_k s_k on raw scores
+    "sumunit": ["--weighting", "sum", "--normalize", "unit-joint"],  # Σ λ_k s_k / σ_k
+    "joint": [*SHIPPED, "--normalize", "joint"],  # ReCAST's default
+    "perreward": [*SHIPPED, "--normalize", "per-reward"],
+    "batch": [*SHIPPED, "--normalize", "batch"],
+    "unitjoint": [*SHIPPED, "--normalize", "unit-joint"],
+}
+CANDIDATES = ["perreward", "batch", "unitjoint"]  # the unit-invariant rules the test may ship
+BASELINES = ["uniform", "sum", "sumunit"]  # B: the best of these, per budget and unit system
+for _k in (5, 6):
+    _rewards = ["--rewards", f"toy{_k}", "--judges", ",".join(JUDGES5 if _k == 5 else JUDGES6)]
+    for _a, _flags in UNIT_ARMS.items():
+        ARMS[f"t{_k}-{_a}"] = [*_rewards, *_flags]
+        ARMS[f"t{_k}x-{_a}"] = [*_rewards, *_flags, "--reward-scale", UNITS[_k]]
 # Every run's CPU kernels: one thread, and ATen, MKL and oneDNN held to their AVX2 code on every
 # x86 machine, so that a run repeats to the bit on another machine with the same packages (their
 # own choice by processor moved results at float rounding between sittings: docs/results.md).
@@ -225,6 +249,21 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             ],
         }
         for k in (3, 4)
+    },
+    # the units test (#57): every rule in both unit systems; the pairs say how far each moved
+    **{
+        f"setting{k}": {
+            "arms": [f"t{k}{u}-{a}" for u in ("", "x") for a in UNIT_ARMS],
+            "pairs": [
+                (f"t{k}x-{a}", f"t{k}-{a}", f"{a}: changed units − native") for a in UNIT_ARMS
+            ],  # fmt: skip
+            "names": list(TOY5 if k == 5 else TOY6),
+            "judges": JUDGES5 if k == 5 else JUDGES6,
+            "seeds": 3,
+            "sections": [lambda r: units_lines(r)],
+            "closing": [lambda r: units_ship_lines(r)],
+        }
+        for k in (5, 6)
     },
 }
 # The test's prediction (docs/results.md): W's L1 distance from λ/T on the base model, per budget
@@ -786,11 +825,14 @@ def pick_lines(r: Report) -> list[str]:
     return out
 
 
-def against_better(args, study: str, prefix: str, arm: str) -> dict:
-    """Per budget of a study, `arm` against B, the better of uniform and sum there (the higher
-    mean λ-weighted gap over the seeds every arm has finished): {"cells": [(budget, B, d, SE,
-    verdict)], "judges": {judge or "pairwise": budgets lost to B}, "complete": every seed done}."""
-    arms = [prefix + "uniform", prefix + "sum", prefix + arm]
+def against_better(args, study: str, prefix: str, arm: str,
+                   baselines: tuple[str, ...] = ("uniform", "sum")) -> dict:  # fmt: skip
+    """Per budget of a study, `arm` against B, the best of `baselines` there (the higher mean
+    λ-weighted gap over the seeds every arm has finished): {"cells": [(budget, B, d, SE,
+    verdict)], "judges": {judge or "pairwise": budgets lost to B}, "complete": every seed done,
+    "mean": the arm's mean final λ-weighted gap over its cells}."""
+    arms = [*(prefix + b for b in baselines), prefix + arm]
+    n_base, gaps_all = len(baselines), []
     res, out = finished(args, arms), {"cells": [], "judges": {}, "complete": True}
     for lam in BUDGETS:
         seeds = [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
@@ -799,8 +841,9 @@ def against_better(args, study: str, prefix: str, arm: str) -> dict:
             continue
         fin = {(a, s): evals(res[lam, a, s])[-1] for a in arms for s in seeds}
         gaps = lambda a, ss=seeds, fin=fin: [fin[a, s]["gap/weighted"] for s in ss]  # noqa: E731
-        B = max(arms[:2], key=lambda a: statistics.fmean(gaps(a)))
+        B = max(arms[:n_base], key=lambda a: statistics.fmean(gaps(a)))
         d, se = paired(gaps(prefix + arm), gaps(B))
+        gaps_all += gaps(prefix + arm)
         out["cells"].append((lam, B, d, se, verdict(d, se)))
         for j in STUDIES[study]["judges"]:
             dj, sej = paired([fin[prefix + arm, s][f"eval/{j}"] for s in seeds],
@@ -809,6 +852,75 @@ def against_better(args, study: str, prefix: str, arm: str) -> dict:
         fins = {(lam, x, s): fin[x, s] for x in (prefix + arm, B) for s in seeds}
         _, words = pairwise_lines(fins, {lam: seeds}, [lam], prefix + arm, B)
         out["judges"]["pairwise"] = out["judges"].get("pairwise", 0) + words.count("loss")
+    out["mean"] = statistics.fmean(gaps_all) if gaps_all else float("nan")
+    return out
+
+
+def units_lines(r: Report) -> list[str]:
+    """The units test: how far each rule moved when only the rewards' units changed, the same
+    seeds and budgets: per arm, the final λ-weighted gap in changed units − native, paired within
+    seed, per budget (mean ± SE, the rule's verdict), and the largest |difference| of any run."""
+    k = r.args.study.removeprefix("setting")
+    scale = UNITS[int(k)]
+    out = ["", f"How far each rule moved when only the units changed (--reward-scale {scale}), "
+           "final λ-weighted gap, changed − native, paired by seed:", ""]  # fmt: skip
+    for a in UNIT_ARMS:
+        native, moved = f"t{k}-{a}", f"t{k}x-{a}"
+        if native not in r.arms or moved not in r.arms:
+            continue
+        ds = [paired(r.gap[lam, moved], r.gap[lam, native]) for lam in r.budgets]
+        pairs = [zip(r.gap[lam, moved], r.gap[lam, native], strict=True) for lam in r.budgets]
+        largest = max(abs(x - y) for each in pairs for x, y in each)
+        words = [verdict(d, se) for d, se in ds]
+        out.append(
+            f"- {a}: "
+            + "; ".join(
+                f"{d:+.4f} ± {se:.4f} {v}" for (d, se), v in zip(ds, words, strict=True)
+            )  # fmt: skip
+            + f"; largest |difference| of one run {largest:.4f}"
+        )
+    return out
+
+
+def units_ship_lines(r: Report) -> list[str]:
+    """The units test's shipping rule (docs/results.md, written before its runs): a candidate
+    (per-reward, batch, unit-joint) qualifies if, in each of settings 5 and 6 and each unit system,
+    it loses to B (the best of uniform, sum and the unit-free sum, per budget) in no budget and no
+    judge nor the pairwise judge loses to B in a majority (≥ 3) of the budgets, and in at least one
+    setting it beats B (≥ 3 wins, no loss) in both unit systems. Of several, the one with the
+    higher mean final λ-weighted gap over every cell ships; of none, joint stays."""
+    out = ["", "The units test's shipping rule (docs/results.md), settings 5 and 6 in both unit "
+           "systems; per budget B = the best of uniform, sum and sumunit by mean gap:",
+           ""]  # fmt: skip
+    complete, qualified = True, {}
+    for arm in CANDIDATES:
+        ok, beat_in, means = True, {}, []
+        for k in (5, 6):
+            for u in ("", "x"):
+                a = against_better(r.args, f"setting{k}", f"t{k}{u}-", arm, tuple(BASELINES))
+                complete &= a["complete"]
+                words = [v for *_, v in a["cells"]]
+                lost = sorted(j for j, n in a["judges"].items() if n >= 3)
+                ok &= bool(words) and "loss" not in words and not lost
+                beat_in.setdefault(k, []).append(beats(words))
+                means.append(a["mean"])
+                cells = "; ".join(f"{lam} ({B.split('-', 1)[1]}) {d:+.3f} ± {se:.3f} {v}"
+                                  for lam, B, d, se, v in a["cells"])  # fmt: skip
+                units = "changed units" if u else "native"
+                out.append(f"- setting {k} {units}, {arm} against B: {cells}; judges lost in "
+                           f"most budgets: {', '.join(lost) or 'none'}")  # fmt: skip
+        beat = any(all(b) and len(b) == 2 for b in beat_in.values())
+        mean = statistics.fmean(means)
+        out.append(f"- {arm}: no budget lost and no judge lost in most budgets anywhere: {ok}; "
+                   f"beats B in both unit systems of a setting: {beat}; mean gap {mean:+.3f}: "
+                   f"{'qualifies' if ok and beat else 'does not qualify'}")  # fmt: skip
+        if ok and beat:
+            qualified[arm] = mean
+    best = max(qualified, key=qualified.get) if qualified else None
+    tail = "" if complete else " (so far: not every run is finished, this decides nothing)"
+    ships = f"--normalize {UNIT_ARMS[best][-1]} becomes the default" if best else (
+        "none qualifies: joint stays the default")  # fmt: skip
+    out.append(f"- {ships}{tail}")
     return out
 
 
@@ -1122,14 +1234,16 @@ if __name__ == "__main__":
                     help="which comparison: tau (the first), shift (the alignment), scoring "
                          "(fewer step predictions scored), setting1 and setting2 (the settings "
                          "comparison), dev1 and dev2 (joint normalisation's development), "
-                         "setting3 and setting4 (the test); docs/results.md has each "
-                         "protocol")  # fmt: skip
+                         "setting3 and setting4 (the test), setting5 and setting6 (the units "
+                         "test); docs/results.md has each protocol")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--code", default=ROOT,
                     help="the checkout whose recast.py `run` runs: a sweep keeps one commit from "
                          "its first run to its last (docs/results.md names it)")  # fmt: skip
-    ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (the protocol: 5)")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="seeds 0 … N-1 (default: the study's protocol's, 5; 3 for settings 5 "
+                         "and 6)")  # fmt: skip
     ap.add_argument("--arms", default="",
                     help="run, report: only these arms of the study; reproduce: rerun these arms' "
                          "archived runs at the first budget, seed 0, instead of REPRODUCE "
@@ -1137,4 +1251,5 @@ if __name__ == "__main__":
     ap.add_argument("--stop-after", type=float, default=150.0,
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()
+    args.seeds = args.seeds or STUDIES[args.study].get("seeds", 5)
     {"run": run, "report": report, "archive": archive, "reproduce": reproduce}[args.cmd](args)

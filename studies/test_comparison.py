@@ -295,7 +295,8 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
 
 def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
     """A finished made-up run of a development arm: its final gap and every judge's score."""
-    study = cmp.STUDIES[{"d1": "dev1", "d2": "dev2", "t3": "setting3", "t4": "setting4"}[arm[:2]]]
+    study = cmp.STUDIES[{"d1": "dev1", "d2": "dev2", "t3": "setting3", "t4": "setting4",
+                         "t5": "setting5", "t6": "setting6"}[arm[:2]]]  # fmt: skip
     names, judges = study.get("names", cmp.NAMES), study["judges"]
     os.makedirs(path)
     last = {"epoch": 2, "gap/weighted": gap, **{f"gap/{n}": gap for n in names},
@@ -359,6 +360,41 @@ def test_the_tests_shipping_rule(tmp_path, joint_gain, ships):
     assert f"- the candidate {said}" in table.splitlines()  # complete: no "so far"
     w_lines = [x for x in table.splitlines() if x.startswith("- t4-") and " → " in x]
     assert [x.split(":")[0] for x in w_lines] == ["- t4-sum", "- t4-recast", "- t4-joint"]
+
+
+@pytest.mark.parametrize("unit_gain,ships", [(0.03, True), (0.0, False)])
+def test_the_units_tests_shipping_rule_and_how_far_each_rule_moved(tmp_path, unit_gain, ships):
+    """Settings 5 and 6, both unit systems: the raw sum drops 0.05 in changed units, so B is sum
+    natively and the unit-free sum in changed units. unit-joint 0.03 above both everywhere
+    qualifies and ships; level with them it beats B nowhere and joint stays. Per-reward and batch
+    lose to B and never qualify. The movement lines give each rule's changed − native."""
+    out = tmp_path / "sweep"
+    gaps = {"uniform": 0.30, "sum": 0.33, "sumunit": 0.32, "joint": 0.33, "perreward": 0.29,
+            "batch": 0.31, "unitjoint": 0.33 + unit_gain}  # fmt: skip
+    for lam in cmp.BUDGETS:
+        for prefix in ("t5-", "t5x-", "t6-", "t6x-"):
+            for arm, gap in gaps.items():
+                moved = -0.05 * (arm == "sum" and "x" in prefix)
+                if arm == "unitjoint" and "x" in prefix:
+                    gap = gaps["sumunit"] + unit_gain  # B in changed units is sumunit's 0.32
+                for seed in range(3):
+                    wobble = 0.001 * (seed == 1) * (arm in cmp.CANDIDATES)
+                    dev_run(cmp.folder(str(out), lam, prefix + arm, seed), prefix + arm, seed,
+                            gap + moved + 0.01 * seed + wobble, judge=0.5)  # fmt: skip
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "none.jsonl"), seeds=3,
+                              code=cmp.ROOT, study="setting6")  # fmt: skip
+    cmp.report(args)
+    table = open(os.path.join(out, "setting6", "table.md")).read().splitlines()
+    assert "- setting 5 native, unitjoint against B: 0.4,0.2,0.2,0.2 (sum)" in "\n".join(table)
+    assert "- setting 6 changed units, unitjoint against B: 0.4,0.2,0.2,0.2 (sumunit)" in (
+        "\n".join(table))  # fmt: skip
+    said = ("--normalize unit-joint becomes the default" if ships else
+            "none qualifies: joint stays the default")  # fmt: skip
+    assert f"- {said}" in table  # complete: no "so far"
+    assert any(x.startswith("- perreward: ") and x.endswith("does not qualify") for x in table)
+    moved = next(x for x in table if x.startswith("- sum: -0.0500 ± 0.0000 loss"))
+    assert moved.endswith("largest |difference| of one run 0.0500")
+    assert next(x for x in table if x.startswith("- joint: +0.0000 ± 0.0000 tie"))
 
 
 @pytest.mark.parametrize("slope,held", [(0.1, "held"), (-0.1, "did not hold")])
