@@ -1344,6 +1344,19 @@ def hpsv3(device: torch.device) -> RewardFn:
     return hpsv3_scorer(vlm, head, instruction, closing)
 
 
+def hpsv3_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The rotary positions HPSv3 was trained and is run with: 0, 1, 2, … over each row's tokens,
+    image patches included, the same on all three of Qwen2-VL's (t, h, w) axes; (B, L), padding
+    0. HPSv3's Qwen2VLRewardModelBT.forward (hpsv3/model/qwen2vl_trainer.py, hpsv3 1.0.x) calls
+    the language model with input_ids=None and position_ids=None, and under the transformers it
+    pins (4.45.2) that gives each token its index; its processor pads on the right, so a row's
+    tokens start at 0. Left padding here: the index counts the row's own tokens only. Qwen2-VL's
+    own forward (M-RoPE) would give the image's patches 3-D (t, h, w) positions and start the
+    text after them 240 positions earlier (16 x 16 merged patches take 16 positions, not 256):
+    positions HPSv3 was never trained with."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def hpsv3_scorer(vlm: VLM, head, instruction: str, closing: str) -> RewardFn:
     """HPSv3's score μ, given the loaded `VLM`, the head's layers and HPSv3's question."""
     token = vlm.tokenizer.convert_tokens_to_ids(HPSV3_TOKEN)
@@ -1365,7 +1378,10 @@ def hpsv3_scorer(vlm: VLM, head, instruction: str, closing: str) -> RewardFn:
             at = inputs["input_ids"] == token
             if (at.sum(1) != 1).any():
                 raise ValueError(f"{vlm.who}: each question must hold {HPSV3_TOKEN} once")
-            hidden = vlm.model.model(**inputs, use_cache=False).last_hidden_state[at].float()
+            del inputs["mm_token_type_ids"]  # no 3-D image positions: see hpsv3_positions
+            positions = hpsv3_positions(inputs["attention_mask"])
+            hidden = vlm.model.model(**inputs, position_ids=positions, use_cache=False)
+            hidden = hidden.last_hidden_state[at].float()
             for i, (w, b) in enumerate(head):
                 hidden = F.linear(hidden, w, b)
                 hidden = hidden if i == len(head) - 1 else F.relu(hidden)

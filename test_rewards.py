@@ -226,7 +226,10 @@ def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
     into today's Qwen2-VL class; each image is shown at HPSv3's 256 merged tokens with HPSv3's
     question holding <|Reward|> once, and the score is μ, the head's first output at that token.
     Checked against transformers' own loading of the same weights (its conversion of the old
-    names) and a forward that returns every layer's hidden states."""
+    names), each image alone, run as HPSv3's Qwen2VLRewardModelBT.forward runs it: the image's
+    features scattered into the token embeddings, then the language model on inputs_embeds with
+    no position_ids (every token at its index, as under transformers 4.45.2), not Qwen2-VL's own
+    forward with its 3-D image positions (M-RoPE), which scores otherwise."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -254,13 +257,28 @@ def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
     save_file({k: v for k, v in state.items() if not k.startswith("rm_head.")},
               folder / "model.safetensors")  # fmt: skip
     model = Qwen2VLForConditionalGeneration.from_pretrained(folder).eval()
-    with torch.no_grad():
-        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
-        h = hidden[inputs["input_ids"] == reward_id]
-        h = torch.relu(h @ state["rm_head.0.weight"].T + state["rm_head.0.bias"])
+
+    def mu(hidden: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(hidden @ state["rm_head.0.weight"].T + state["rm_head.0.bias"])
         h = torch.relu(h @ state["rm_head.3.weight"].T + state["rm_head.3.bias"])
-        expected = (h @ state["rm_head.5.weight"].T + state["rm_head.5.bias"])[:, 0]
+        return (h @ state["rm_head.5.weight"].T + state["rm_head.5.bias"])[:, 0]
+
+    expected, mrope = [], []
+    for i, text in enumerate(texts):
+        one = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])  # alone: no padding
+        at = one["input_ids"] == reward_id
+        with torch.no_grad():
+            embeds = model.model.language_model.embed_tokens(one["input_ids"])
+            patches = model.model.get_image_features(one["pixel_values"], one["image_grid_thw"])
+            patches = torch.cat(patches.pooler_output)
+            image = (one["input_ids"] == vlm.image_token_id)[..., None].expand_as(embeds)
+            embeds = embeds.masked_scatter(image, patches)
+            hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state
+            expected.append(mu(hidden[at]))
+            mrope.append(mu(model(**one, output_hidden_states=True).hidden_states[-1][at]))
+    expected, mrope = torch.cat(expected), torch.cat(mrope)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (mrope - expected).abs().max() > 0.05  # 0.17 here: the positions matter
     assert not torch.equal(got, fn(x, prompts[::-1]))
 
 

@@ -777,6 +777,7 @@ def tiny_hpsv3(folder: str | os.PathLike, seed: int = 0) -> dict[str, str]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]},
         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], bos_token_id=None,
+        initializer_range=0.2,  # 10 x Qwen's: attention that sees where a token is (its position)
     )  # fmt: skip
     config = Qwen2VLConfig(
         text_config=text,
