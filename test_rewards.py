@@ -120,10 +120,14 @@ def images(n: int, seed: int, size: int = 32) -> torch.Tensor:
 PROMPTS = ["two red apples on a table", "a dog to the left of a blue car", "a green clock"]
 
 
+# t2v_metrics' question for Qwen-VL models: qwen2vl_model.py's question_template, commit 74c7208
+T2V_METRICS_QUESTION = 'Does this figure show "{}"? Please answer Yes or No.'
+
+
 def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
-    """The score is P("Yes") after the question, token by token from the next-token logits, each
-    image asked alone (no padding) and the three in one batch (left padding) alike; the prompt
-    and the image both reach the model."""
+    """The score is P("Yes") after t2v_metrics' question, token by token from the next-token
+    logits, each image asked alone (no padding) and the three in one batch (left padding) alike;
+    the prompt and the image both reach the model."""
     monkeypatch.setenv("RECAST_VQA", tiny_vlm)
     vqa = rewards.get("vqa", CPU)
     x = images(3, 0)
@@ -133,9 +137,12 @@ def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
     vlm.load()
     yes = vlm.tokenizer.encode("Yes", add_special_tokens=False)  # 3 bytes here, 1 token in Qwen's
     for i, prompt in enumerate(PROMPTS):
-        question = rewards.VQA_QUESTION.format(prompt=prompt)
+        question = T2V_METRICS_QUESTION.format(prompt)
+        assert rewards.VQA_QUESTION.format(prompt=prompt) == question  # what the reward asks
         text = vlm.chat([{"type": "image"}, {"type": "text", "text": question}])
-        assert text.count("<|image_pad|>") == 1 and prompt in text
+        assert text.count("<|image_pad|>") == 1 and text.endswith(
+            question + "<|im_end|>\n<|im_start|>assistant\n"
+        )
         inputs = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])
         expected = torch.tensor(1.0)
         for token in yes:  # P(Yes) = P(Y) P(e | Y) P(s | Ye), one forward each, no padding
