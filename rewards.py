@@ -1198,25 +1198,42 @@ def imagereward(device: torch.device) -> RewardFn:
     return imagereward_scorer(vision, text, tokenizer, head)
 
 
+def imagereward_pixels(images: torch.Tensor, side: int) -> torch.Tensor:
+    """Images in [-1, 1] → ImageReward's input (B, 3, side, side), as its `_transform` makes it
+    (ImageReward/ImageReward.py, image-reward 1.5) from the 8-bit PIL image it is given:
+    torchvision's Resize(side, BICUBIC) (on a PIL image: PIL's bicubic resize, the shorter side
+    to `side`, the longer to int(side × long / short)), CenterCrop(side) (offsets rounded half
+    to even, as torchvision's round), ToTensor (÷ 255) and Normalize with CLIP's statistics.
+    Done with PIL here: torchvision does not import beside this project's torch."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for image in to_pil(images):
+        w, h = image.size
+        short, long = min(w, h), max(w, h)
+        size = (side, int(side * long / short))  # (short, long)
+        image = image.resize(size if w <= h else size[::-1], Image.BICUBIC)
+        w, h = image.size
+        top, left = round((h - side) / 2), round((w - side) / 2)
+        image = image.crop((left, top, left + side, top + side))
+        out.append(np.asarray(image, dtype=np.float32) / 255)
+    x = torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2)
+    mean, std = torch.tensor(CLIP_MEAN)[:, None, None], torch.tensor(CLIP_STD)[:, None, None]
+    return ((x - mean) / std).to(images.device)
+
+
 def imagereward_scorer(vision, text, tokenizer, head) -> RewardFn:
     """ImageReward's score, given transformers' BlipVisionModel and BlipTextModel, the tokenizer
     and the head's (weight, bias) pairs on the models' device."""
-    from types import SimpleNamespace
-
     side = vision.config.image_size
-    pre = SimpleNamespace(
-        size={"shortest_edge": side},
-        crop_size={"height": side, "width": side},
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-    )  # fmt: skip  (ImageReward's preprocessing: bicubic resize, centre crop, CLIP's statistics)
     device = next(vision.parameters()).device
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         out = []
         for s in range(0, len(prompts), CHUNK):
-            pixels = _clip_pixels(images[s : s + CHUNK].to(device), pre)
+            pixels = imagereward_pixels(images[s : s + CHUNK], side).to(device)
             seen = vision(pixel_values=pixels).last_hidden_state
             tokens = tokenizer(
                 prompts[s : s + CHUNK], padding="max_length", truncation=True,

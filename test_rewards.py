@@ -183,16 +183,15 @@ def test_paper2_is_four_rewards_not_all_on_clip():
 # ---------------------------------------------------------------------------------------------
 def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, monkeypatch):
     """The tiny checkpoint (BLIP's own parameter names) loads into transformers' BLIP classes, and
-    the score is ImageReward's: CLIP-normalised pixels → ViT → text encoder over the prompt (35
+    the score is ImageReward's: its preprocessing → ViT → text encoder over the prompt (35
     tokens, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
     the modules the checkpoint was made from."""
-    import numpy as np
     from transformers import BertTokenizer
 
     folder = modelzoo.tiny_imagereward(tmp_path / "ir", seed=3)
     monkeypatch.setenv("RECAST_IMAGEREWARD", folder)
     fn = rewards.get("imagereward", CPU)
-    x = (torch.randint(256, (4, 3, 32, 32), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
+    x = (torch.randint(256, (4, 3, 48, 40), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
     prompts = ["a red cat", "two boats at dawn", "x", "a tree on a hill by the sea, at night"]
     got = rewards.score("imagereward", fn, x, prompts)
     vision, text, head = modelzoo.tiny_imagereward_parts(seed=3)
@@ -200,9 +199,7 @@ def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, 
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
     tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
                        return_tensors="pt")  # fmt: skip
-    rgb = np.stack([np.asarray(im, dtype=np.float32) / 255 for im in rewards.to_pil(x)])
-    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
-    pixels = torch.from_numpy((rgb - mean) / std).permute(0, 3, 1, 2).float()
+    pixels = rewards.imagereward_pixels(x, 32)  # test_imagereward_preprocesses_as_its_transform
     with torch.no_grad():
         seen = vision(pixel_values=pixels).last_hidden_state
         state = text(**tokens, encoder_hidden_states=seen).last_hidden_state[:, 0]
@@ -214,6 +211,34 @@ def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, 
         expected = (mlp(state)[:, 0] - 0.16717362830052426) / 1.0333394966054072
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert not torch.equal(got, fn(x, prompts[::-1]))
+
+
+def test_imagereward_preprocesses_as_its_transform():
+    """ImageReward's `_transform` (ImageReward/ImageReward.py, image-reward 1.5) on the 8-bit PIL
+    image: torchvision's Resize(32, BICUBIC) (PIL's bicubic; the longer side int(32 × long /
+    short), truncated), CenterCrop(32) (offset round((h − 32) / 2), half to even), ÷ 255, CLIP's
+    normalisation. The sizes and offsets are written out here, as torchvision computes them."""
+    import numpy as np
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(4)
+    cases = [  # (H, W) → the resized (W, H) and the crop's (left, top)
+        ((35, 32), (32, 35), (0, 2)),  # 1.5 rounds to 2: a floor would crop from row 1
+        ((96, 64), (32, 48), (0, 8)),
+        ((40, 100), (80, 32), (24, 0)),  # 32 × 100 / 40 = 80
+        ((45, 61), (43, 32), (6, 0)),  # 32 × 61 / 45 = 43.4 → 43; (43 − 32) / 2 = 5.5 → 6
+        ((50, 50), (32, 32), (0, 0)),
+    ]
+    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
+    for (h, w), size, (left, top) in cases:
+        x = torch.rand(2, 3, h, w, generator=g) * 2 - 1
+        got = rewards.imagereward_pixels(x, 32)
+        assert got.shape == (2, 3, 32, 32)
+        for i, image in enumerate(rewards.to_pil(x)):
+            image = image.resize(size, Image.BICUBIC).crop((left, top, left + 32, top + 32))
+            rgb = np.asarray(image, dtype=np.float32) / 255
+            expected = torch.from_numpy((rgb - mean) / std).permute(2, 0, 1).float()
+            torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-6)
 
 
 def test_imagereward_without_its_files_names_its_variable(tmp_path, monkeypatch):

@@ -702,10 +702,10 @@ TINY_IMAGEREWARD_MED = dict(
 )  # fmt: skip  (the vocabulary and BLIP's [DEC] and [ENC])
 
 
-def tiny_imagereward_parts(seed: int = 0):
-    """The tiny ImageReward's parts, built with transformers' BLIP classes: (BlipVisionModel,
-    BlipTextModel, the MLP head's state dict). Same seed, same weights; the caller's random
-    state is left as it was."""
+def tiny_imagereward_parts(seed: int = 0, image_size: int = 32):
+    """The tiny ImageReward's parts, built with transformers' BLIP classes: (BlipVisionModel on
+    `image_size` px, BlipTextModel, the MLP head's state dict). Same seed, same weights; the
+    caller's random state is left as it was."""
     from transformers import BlipTextConfig, BlipVisionConfig
     from transformers.models.blip.modeling_blip import BlipVisionModel
     from transformers.models.blip.modeling_blip_text import BlipTextModel
@@ -714,7 +714,7 @@ def tiny_imagereward_parts(seed: int = 0):
         torch.manual_seed(seed)
         vision = BlipVisionModel(BlipVisionConfig(
             hidden_size=128, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
-            image_size=32, patch_size=8, layer_norm_eps=1e-6,
+            image_size=image_size, patch_size=8, layer_norm_eps=1e-6,
         ))  # fmt: skip
         text = BlipTextModel(BlipTextConfig(
             vocab_size=TINY_IMAGEREWARD_MED["vocab_size"], hidden_size=32, encoder_hidden_size=128,
@@ -726,16 +726,16 @@ def tiny_imagereward_parts(seed: int = 0):
     return vision.eval(), text.eval(), head
 
 
-def tiny_imagereward(folder: str | os.PathLike, seed: int = 0) -> str:
+def tiny_imagereward(folder: str | os.PathLike, seed: int = 0, image_size: int = 32) -> str:
     """A tiny random ImageReward saved into `folder` as released (ImageReward.pt with BLIP's own
     parameter names, med_config.json) beside a BERT-style vocab.txt: `tiny_imagereward_parts`
-    (a 1-layer BLIP ViT 128 wide on 32 px images of 8 px patches, a 1-layer text encoder with
+    (a 1-layer BLIP ViT 128 wide on image_size px images of 8 px patches, a 1-layer text encoder with
     cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(TINY_IMAGEREWARD_VOCAB) + "\n")
     (folder / "med_config.json").write_text(json.dumps(TINY_IMAGEREWARD_MED, indent=2))
-    vision, text, head = tiny_imagereward_parts(seed)
+    vision, text, head = tiny_imagereward_parts(seed, image_size)
     blip_names = [  # transformers' BLIP names → BLIP's (ImageReward's checkpoint)
         ("embeddings.patch_embedding.", "patch_embed.proj."),
         ("embeddings.position_embedding", "pos_embed"), ("embeddings.class_embedding", "cls_token"),
