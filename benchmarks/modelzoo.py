@@ -729,8 +729,8 @@ def tiny_imagereward_parts(seed: int = 0, image_size: int = 32):
 def tiny_imagereward(folder: str | os.PathLike, seed: int = 0, image_size: int = 32) -> str:
     """A tiny random ImageReward saved into `folder` as released (ImageReward.pt with BLIP's own
     parameter names, med_config.json) beside a BERT-style vocab.txt: `tiny_imagereward_parts`
-    (a 1-layer BLIP ViT 128 wide on image_size px images of 8 px patches, a 1-layer text encoder with
-    cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
+    (a 1-layer BLIP ViT 128 wide on `image_size` px images of 8 px patches, a 1-layer text
+    encoder with cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(TINY_IMAGEREWARD_VOCAB) + "\n")
