@@ -409,6 +409,18 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
+def byte_vocabulary() -> dict[str, int]:
+    """`tiny_vlm`'s vocabulary: <|endoftext|>, the 256 byte-level symbols, VLM_SPECIAL_TOKENS."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    for token in VLM_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return vocab
+
+
 def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     """Write a tiny random Qwen2.5-VL into `folder` as a released Qwen2.5-VL-Instruct folder is laid
     out (config.json and weights, tokenizer with chat template, preprocessor_config.json), so that
@@ -419,7 +431,6 @@ def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     single tokens, as in Qwen's vocabulary) plus VLM_SPECIAL_TOKENS. Its answers mean nothing;
     loading, preprocessing and the forward are the real model's. Same seed, same weights; the
     caller's random state is left as it was."""
-    from tokenizers import pre_tokenizers
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -428,11 +439,7 @@ def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     )
 
     folder = os.fspath(folder)
-    vocab = {"<|endoftext|>": 0}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    for token in VLM_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
+    vocab = byte_vocabulary()
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],

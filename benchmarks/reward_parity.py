@@ -1,0 +1,199 @@
+"""Model rewards scored beside their released code: the reference runs as released, in its own
+virtual environment at the versions it pins; it builds a tiny random model of its released
+architecture with its own classes, saves it in its released file layout, and scores a fixed set of
+images and prompts with its own scoring code. rewards.py's loader then reads the same file and
+scores the same inputs; the table is max |Δ| per reward, in float32.
+
+    python -m benchmarks.reward_parity --setup   # the reference venvs, from benchmarks/parity_envs
+    python -m benchmarks.reward_parity           # the table (docs/your_reward.md#parity)
+    python -m benchmarks.reward_parity --rewards imagereward --keep WORK   # one, its files kept
+
+The venvs live under --envs (default $RECAST_PARITY_ENVS, else ~/.cache/recast/parity_envs), one
+per reference, from the pinned requirement file beside its script in benchmarks/parity_envs/
+(<reward>.txt, <reward>_ref.py). Without them this prints the --setup command and exits 2. The
+project's own requirements are not touched. Each reference's script states what it builds.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent / "parity_envs"
+DEFAULT_ENVS = Path(os.environ.get("RECAST_PARITY_ENVS", "~/.cache/recast/parity_envs"))
+
+
+@dataclass(frozen=True)
+class Reference:
+    requirements: str  # pinned requirement file in benchmarks/parity_envs
+    script: str  # run with the venv's python: builds, saves and scores
+    tolerance: float  # max |Δ| allowed, float32 on the CPU
+    env: dict  # rewards.py's variables, relative to the work folder
+
+
+REFERENCES = {
+    "imagereward": Reference(
+        "imagereward.txt", "imagereward_ref.py", 1e-4, {"RECAST_IMAGEREWARD": "."}
+    ),
+}
+PROMPTS = [
+    "a red cat on a sofa",
+    "two boats at dawn",
+    "a shop sign that says open",
+    "x",
+    "a tree on a hill by the sea at night",
+    "a green clock",
+]
+SIZES = [(512, 512), (768, 1024), (333, 500), (1024, 576), (256, 256), (600, 400)]  # (H, W)
+
+
+def python(envs: Path, name: str) -> Path:
+    return envs.expanduser() / name / "bin" / "python"
+
+
+def setup(envs: Path, names: list[str]) -> None:
+    """A venv per reference, from its pinned file: torch and torchvision first (a package that
+    builds against torch, fairscale, then builds without pip's isolation), then the rest, then
+    the lines marked `# --no-deps` without their dependencies."""
+    for name in names:
+        where = envs.expanduser() / name
+        subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
+        pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q"]
+        lines = (HERE / REFERENCES[name].requirements).read_text().splitlines()
+        pins = [line.split("#")[0].strip() for line in lines]
+        first = [p for p in pins if p.split("==")[0] in ("torch", "torchvision")]
+        alone = [p for p, line in zip(pins, lines, strict=True) if line.endswith("# --no-deps")]
+        rest = [p for p in pins if p and p not in first + alone]
+        subprocess.run([*pip, "setuptools", "wheel", *first], check=True)
+        subprocess.run([*pip, "--no-build-isolation", *first, *rest], check=True)
+        if alone:
+            subprocess.run([*pip, "--no-deps", *alone], check=True)
+        print(f"{name}: {where}")
+
+
+def images(work: Path) -> torch.Tensor:
+    """The fixed images, written as 8-bit PNGs (what the references read): smooth random colour
+    fields with noise, at SIZES (square and not); returned in [-1, 1], one (3, H, W) each."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    (work / "images").mkdir(parents=True, exist_ok=True)
+    for i, (h, w) in enumerate(SIZES):
+        x = torch.rand(1, 3, h // 32, w // 32, generator=g) * 2 - 1
+        x = torch.nn.functional.interpolate(x, size=(h, w), mode="bicubic", align_corners=False)
+        x = (x[0] + 0.1 * torch.randn(3, h, w, generator=g)).clamp(-1, 1)
+        rgb = ((x + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        Image.fromarray(rgb).save(work / "images" / f"{i:02d}.png")
+        out.append(torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1) / 127.5 - 1)
+    return out
+
+
+def inputs(work: Path) -> list[torch.Tensor]:
+    """The work folder's inputs: images, prompts, and the tiny tokenizers' files (ImageReward's
+    BERT vocabulary and text encoder's configuration; HPSv3's byte-level vocabulary, special
+    tokens and chat template, modelzoo.tiny_vlm's)."""
+    from benchmarks import modelzoo
+
+    (work / "prompts.json").write_text(json.dumps(PROMPTS))
+    tokenizer = modelzoo.byte_vocabulary()
+    spec = dict(vocab=tokenizer, special=list(modelzoo.VLM_SPECIAL_TOKENS),
+                chat_template=modelzoo.VLM_CHAT_TEMPLATE)  # fmt: skip
+    (work / "tokenizer_spec.json").write_text(json.dumps(spec))
+    (work / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
+    med = dict(
+        modelzoo.TINY_IMAGEREWARD_MED,
+        hidden_size=768,
+        intermediate_size=1536,
+        num_attention_heads=12,
+    )  # fmt: skip  (ImageReward's head reads 768 wide)
+    (work / "med_config.json").write_text(json.dumps(med, indent=2))
+    return images(work)
+
+
+def ours(name: str, work: Path, pictures: list[torch.Tensor]) -> list[float]:
+    """rewards.py's scores of the work folder's inputs, its loader reading the reference's
+    saved model; one image a call (the images differ in size)."""
+    import rewards
+
+    for variable, relative in REFERENCES[name].env.items():
+        os.environ[variable] = str(work / relative)
+    fn = rewards.get(name, torch.device("cpu"))
+    return [
+        rewards.score(name, fn, x[None], [p]).item() for x, p in zip(pictures, PROMPTS, strict=True)
+    ]
+
+
+def compare(name: str, envs: Path, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    pictures = inputs(work)
+    start = time.perf_counter()
+    run = subprocess.run(
+        [str(python(envs, name)), str(HERE / REFERENCES[name].script), str(work)],
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode:
+        raise RuntimeError(f"{name}'s reference failed:\n{run.stderr[-4000:]}")
+    reference = json.loads((work / "reference.json").read_text())["scores"]
+    got = ours(name, work, pictures)
+    delta = max(abs(a - b) for a, b in zip(got, reference, strict=True))
+    return {
+        "reward": name,
+        "images": len(got),
+        "max_delta": delta,
+        "tolerance": REFERENCES[name].tolerance,
+        "spread": max(reference) - min(reference),  # how far apart the images' scores are
+        "seconds": time.perf_counter() - start,
+        "ours": got,
+        "reference": reference,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setup", action="store_true", help="create the reference venvs")
+    parser.add_argument("--envs", type=Path, default=DEFAULT_ENVS, help="where the venvs live")
+    parser.add_argument("--rewards", default=",".join(REFERENCES), help="comma-separated")
+    parser.add_argument("--keep", type=Path, help="work folder to keep (default: a temporary)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    names = [n for n in args.rewards.split(",") if n]
+    unknown = [n for n in names if n not in REFERENCES]
+    if unknown:
+        parser.error(f"--rewards: no reference for {unknown}; known: {', '.join(REFERENCES)}")
+    if args.setup:
+        setup(args.envs, names)
+        return 0
+    missing = [n for n in names if not python(args.envs, n).exists()]
+    if missing:
+        print(
+            f"no reference environment for {', '.join(missing)} under {args.envs}; create them "
+            f"with: python -m benchmarks.reward_parity --setup --envs {args.envs}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            rows.append(compare(name, args.envs, (args.keep or Path(tmp)) / name))
+    print("| reward | images | max \\|Δ\\| | tolerance | score spread | seconds |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['reward']} | {r['images']} | {r['max_delta']:.2e} | {r['tolerance']:g} "
+              f"| {r['spread']:.3f} | {r['seconds']:.0f} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0 if all(r["max_delta"] <= r["tolerance"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
