@@ -43,6 +43,16 @@ REFERENCES = {
     "imagereward": Reference(
         "imagereward.txt", "imagereward_ref.py", 1e-4, {"RECAST_IMAGEREWARD": "."}
     ),
+    "hpsv3": Reference(
+        "hpsv3.txt",
+        "hpsv3_ref.py",
+        1e-4,
+        {
+            "RECAST_HPSV3": "HPSv3.safetensors",
+            "RECAST_HPSV3_BASE": "base",
+            "RECAST_HPSV3_PROMPT": "data_collator_qwen.py",
+        },
+    ),  # fmt: skip
 }
 PROMPTS = [
     "a red cat on a sofa",
