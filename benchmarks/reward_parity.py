@@ -37,6 +37,7 @@ class Reference:
     script: str  # run with the venv's python: builds, saves and scores
     tolerance: float  # max |Δ| allowed, float32 on the CPU
     env: dict  # rewards.py's variables, relative to the work folder
+    text: bool = False  # scored on rendered words (OCR_CASES), not on colour fields
 
 
 REFERENCES = {
@@ -53,6 +54,7 @@ REFERENCES = {
             "RECAST_HPSV3_PROMPT": "data_collator_qwen.py",
         },
     ),  # fmt: skip
+    "ocr": Reference("ocr.txt", "ocr_ref.py", 1e-6, {}, text=True),
 }
 PROMPTS = [
     "a red cat on a sofa",
@@ -63,6 +65,26 @@ PROMPTS = [
     "a green clock",
 ]
 SIZES = [(512, 512), (768, 1024), (333, 500), (1024, 576), (256, 256), (600, 400)]  # (H, W)
+# (drawn, asked for, font px, what is done to it): clean words, then the kinds of damage early
+# training images have, then a blank and words set far apart (EasyOCR's merging of boxes)
+OCR_CASES = [
+    ("OPEN", "OPEN", 40, ""),
+    ("Hello you", "hello you", 36, ""),
+    ("COFFEE SHOP", "coffee shop", 28, ""),
+    ("recast", "recast", 48, "blur"),
+    ("PARITY", "parity", 40, "noise"),
+    ("low contrast", "low contrast", 32, "faint"),
+    ("TILTED", "tilted", 40, "tilt"),
+    ("small words", "small words", 14, ""),
+    ("", "open", 40, ""),
+    ("OPNE SHOP", "open shop", 32, ""),
+    ("WELCME", "welcome", 40, ""),
+    ("GOOD         DAY", "good day", 28, ""),
+    ("SHADOW", "shadow", 36, "blur3"),
+    ("tiny print", "tiny print", 10, ""),
+    ("whisper", "whisper", 36, "fainter"),
+    ("STATIC", "static", 36, "noise60"),
+]
 
 
 def python(envs: Path, name: str) -> Path:
@@ -107,15 +129,49 @@ def images(work: Path) -> torch.Tensor:
     return out
 
 
-def inputs(work: Path) -> list[torch.Tensor]:
-    """The work folder's inputs: images, prompts, and the tiny tokenizers' files (ImageReward's
-    BERT vocabulary and text encoder's configuration; HPSv3's byte-level vocabulary, special
-    tokens and chat template, modelzoo.tiny_vlm's)."""
+def words(work: Path) -> tuple[list[torch.Tensor], list[str]]:
+    """OCR_CASES drawn black on white (320 x 96 px, Pillow's own font) and damaged as each says,
+    written as 8-bit PNGs; returned in [-1, 1], with prompts quoting the text asked for."""
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    g = np.random.default_rng(0)
+    out, prompts = [], []
+    (work / "images").mkdir(parents=True, exist_ok=True)
+    for i, (drawn, asked, px, damage) in enumerate(OCR_CASES):
+        ink, paper = {"faint": (150, 200), "fainter": (185, 200)}.get(damage, (0, 255))
+        im = Image.new("L", (320, 96), paper)
+        ImageDraw.Draw(im).text((12, 48 - px // 2), drawn, ink, ImageFont.load_default(px))
+        if damage.startswith("blur"):
+            im = im.filter(ImageFilter.GaussianBlur({"blur": 1.5, "blur3": 3}[damage]))
+        if damage == "tilt":
+            im = im.rotate(10, Image.BICUBIC, fillcolor=paper)
+        rgb = np.repeat(np.asarray(im, dtype=np.float32)[..., None], 3, axis=2)
+        if damage.startswith("noise"):
+            sigma = {"noise": 30, "noise60": 60}[damage]
+            rgb = np.clip(rgb + g.normal(0, sigma, rgb.shape), 0, 255)
+        rgb = rgb.round().astype(np.uint8)
+        Image.fromarray(rgb).save(work / "images" / f"{i:02d}.png")
+        out.append(torch.from_numpy(rgb.astype(np.float32)).permute(2, 0, 1) / 127.5 - 1)
+        prompts.append(f'a sign that says "{asked}"')
+    return out, prompts
+
+
+def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
+    """The work folder's inputs: images and prompts (prompts.json), and the tiny tokenizers'
+    files (ImageReward's BERT vocabulary and text encoder's configuration; HPSv3's byte-level
+    vocabulary, special tokens and chat template, modelzoo.tiny_vlm's) or, for `ocr`, the
+    weights folder rewards.py reads."""
+    import rewards
     from benchmarks import modelzoo
 
-    (work / "prompts.json").write_text(json.dumps(PROMPTS))
-    tokenizer = modelzoo.byte_vocabulary()
-    spec = dict(vocab=tokenizer, special=list(modelzoo.VLM_SPECIAL_TOKENS),
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in work.glob("images/*.png"):  # a kept folder's earlier run
+        stale.unlink()
+    pictures, prompts = words(work) if REFERENCES[name].text else (images(work), PROMPTS)
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    if name == "ocr":
+        (work / "weights.txt").write_text(rewards.ocr_folder())
+    spec = dict(vocab=modelzoo.byte_vocabulary(), special=list(modelzoo.VLM_SPECIAL_TOKENS),
                 chat_template=modelzoo.VLM_CHAT_TEMPLATE)  # fmt: skip
     (work / "tokenizer_spec.json").write_text(json.dumps(spec))
     (work / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
@@ -126,10 +182,10 @@ def inputs(work: Path) -> list[torch.Tensor]:
         num_attention_heads=12,
     )  # fmt: skip  (ImageReward's head reads 768 wide)
     (work / "med_config.json").write_text(json.dumps(med, indent=2))
-    return images(work)
+    return pictures, prompts
 
 
-def ours(name: str, work: Path, pictures: list[torch.Tensor]) -> list[float]:
+def ours(name: str, work: Path, pictures: list[torch.Tensor], prompts: list[str]) -> list[float]:
     """rewards.py's scores of the work folder's inputs, its loader reading the reference's
     saved model; one image a call (the images differ in size)."""
     import rewards
@@ -137,14 +193,15 @@ def ours(name: str, work: Path, pictures: list[torch.Tensor]) -> list[float]:
     for variable, relative in REFERENCES[name].env.items():
         os.environ[variable] = str(work / relative)
     fn = rewards.get(name, torch.device("cpu"))
-    return [
-        rewards.score(name, fn, x[None], [p]).item() for x, p in zip(pictures, PROMPTS, strict=True)
-    ]
+    pairs = zip(pictures, prompts, strict=True)
+    return [rewards.score(name, fn, x[None], [p]).item() for x, p in pairs]
 
 
 def compare(name: str, envs: Path, work: Path) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    pictures = inputs(work)
+    """One reward's row: the reference run in its venv, then ours on the same files."""
+    import rewards
+
+    pictures, prompts = inputs(name, work)
     start = time.perf_counter()
     run = subprocess.run(
         [str(python(envs, name)), str(HERE / REFERENCES[name].script), str(work)],
@@ -153,18 +210,22 @@ def compare(name: str, envs: Path, work: Path) -> dict:
     )
     if run.returncode:
         raise RuntimeError(f"{name}'s reference failed:\n{run.stderr[-4000:]}")
-    reference = json.loads((work / "reference.json").read_text())["scores"]
-    got = ours(name, work, pictures)
-    delta = max(abs(a - b) for a, b in zip(got, reference, strict=True))
+    reference = json.loads((work / "reference.json").read_text())
+    if "reads" in reference:  # a reader's text, scored with the reward's own formula
+        pairs = zip(reference["reads"], prompts, strict=True)
+        reference["scores"] = [rewards.text_match(read, rewards.quoted(p)) for read, p in pairs]
+    got = ours(name, work, pictures, prompts)
+    deltas = [abs(a - b) for a, b in zip(got, reference["scores"], strict=True)]
     return {
         "reward": name,
         "images": len(got),
-        "max_delta": delta,
+        "max_delta": max(deltas),
         "tolerance": REFERENCES[name].tolerance,
-        "spread": max(reference) - min(reference),  # how far apart the images' scores are
+        "spread": max(reference["scores"]) - min(reference["scores"]),  # the images' scores
         "seconds": time.perf_counter() - start,
         "ours": got,
-        "reference": reference,
+        "reference": reference["scores"],
+        "reads": reference.get("reads"),
     }
 
 
