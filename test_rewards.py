@@ -4,6 +4,7 @@ real loading code. The CLIP rewards' tests, and the runs that profile and train 
 test_recast.py."""
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -120,10 +121,14 @@ def images(n: int, seed: int, size: int = 32) -> torch.Tensor:
 PROMPTS = ["two red apples on a table", "a dog to the left of a blue car", "a green clock"]
 
 
+# t2v_metrics' question for Qwen-VL models: qwen2vl_model.py's question_template, commit 74c7208
+T2V_METRICS_QUESTION = 'Does this figure show "{}"? Please answer Yes or No.'
+
+
 def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
-    """The score is P("Yes") after the question, token by token from the next-token logits, each
-    image asked alone (no padding) and the three in one batch (left padding) alike; the prompt
-    and the image both reach the model."""
+    """The score is P("Yes") after t2v_metrics' question, token by token from the next-token
+    logits, each image asked alone (no padding) and the three in one batch (left padding) alike;
+    the prompt and the image both reach the model."""
     monkeypatch.setenv("RECAST_VQA", tiny_vlm)
     vqa = rewards.get("vqa", CPU)
     x = images(3, 0)
@@ -133,9 +138,12 @@ def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
     vlm.load()
     yes = vlm.tokenizer.encode("Yes", add_special_tokens=False)  # 3 bytes here, 1 token in Qwen's
     for i, prompt in enumerate(PROMPTS):
-        question = rewards.VQA_QUESTION.format(prompt=prompt)
+        question = T2V_METRICS_QUESTION.format(prompt)
+        assert rewards.VQA_QUESTION.format(prompt=prompt) == question  # what the reward asks
         text = vlm.chat([{"type": "image"}, {"type": "text", "text": question}])
-        assert text.count("<|image_pad|>") == 1 and prompt in text
+        assert text.count("<|image_pad|>") == 1 and text.endswith(
+            question + "<|im_end|>\n<|im_start|>assistant\n"
+        )
         inputs = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])
         expected = torch.tensor(1.0)
         for token in yes:  # P(Yes) = P(Y) P(e | Y) P(s | Ye), one forward each, no padding
@@ -176,16 +184,15 @@ def test_paper2_is_four_rewards_not_all_on_clip():
 # ---------------------------------------------------------------------------------------------
 def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, monkeypatch):
     """The tiny checkpoint (BLIP's own parameter names) loads into transformers' BLIP classes, and
-    the score is ImageReward's: CLIP-normalised pixels → ViT → text encoder over the prompt (35
+    the score is ImageReward's: its preprocessing → ViT → text encoder over the prompt (35
     tokens, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
     the modules the checkpoint was made from."""
-    import numpy as np
     from transformers import BertTokenizer
 
     folder = modelzoo.tiny_imagereward(tmp_path / "ir", seed=3)
     monkeypatch.setenv("RECAST_IMAGEREWARD", folder)
     fn = rewards.get("imagereward", CPU)
-    x = (torch.randint(256, (4, 3, 32, 32), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
+    x = (torch.randint(256, (4, 3, 48, 40), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
     prompts = ["a red cat", "two boats at dawn", "x", "a tree on a hill by the sea, at night"]
     got = rewards.score("imagereward", fn, x, prompts)
     vision, text, head = modelzoo.tiny_imagereward_parts(seed=3)
@@ -193,9 +200,7 @@ def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, 
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
     tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
                        return_tensors="pt")  # fmt: skip
-    rgb = np.stack([np.asarray(im, dtype=np.float32) / 255 for im in rewards.to_pil(x)])
-    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
-    pixels = torch.from_numpy((rgb - mean) / std).permute(0, 3, 1, 2).float()
+    pixels = rewards.imagereward_pixels(x, 32)  # test_imagereward_preprocesses_as_its_transform
     with torch.no_grad():
         seen = vision(pixel_values=pixels).last_hidden_state
         state = text(**tokens, encoder_hidden_states=seen).last_hidden_state[:, 0]
@@ -207,6 +212,34 @@ def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, 
         expected = (mlp(state)[:, 0] - 0.16717362830052426) / 1.0333394966054072
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert not torch.equal(got, fn(x, prompts[::-1]))
+
+
+def test_imagereward_preprocesses_as_its_transform():
+    """ImageReward's `_transform` (ImageReward/ImageReward.py, image-reward 1.5) on the 8-bit PIL
+    image: torchvision's Resize(32, BICUBIC) (PIL's bicubic; the longer side int(32 × long /
+    short), truncated), CenterCrop(32) (offset round((h − 32) / 2), half to even), ÷ 255, CLIP's
+    normalisation. The sizes and offsets are written out here, as torchvision computes them."""
+    import numpy as np
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(4)
+    cases = [  # (H, W) → the resized (W, H) and the crop's (left, top)
+        ((35, 32), (32, 35), (0, 2)),  # 1.5 rounds to 2: a floor would crop from row 1
+        ((96, 64), (32, 48), (0, 8)),
+        ((40, 100), (80, 32), (24, 0)),  # 32 × 100 / 40 = 80
+        ((45, 61), (43, 32), (6, 0)),  # 32 × 61 / 45 = 43.4 → 43; (43 − 32) / 2 = 5.5 → 6
+        ((50, 50), (32, 32), (0, 0)),
+    ]
+    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
+    for (h, w), size, (left, top) in cases:
+        x = torch.rand(2, 3, h, w, generator=g) * 2 - 1
+        got = rewards.imagereward_pixels(x, 32)
+        assert got.shape == (2, 3, 32, 32)
+        for i, image in enumerate(rewards.to_pil(x)):
+            image = image.resize(size, Image.BICUBIC).crop((left, top, left + 32, top + 32))
+            rgb = np.asarray(image, dtype=np.float32) / 255
+            expected = torch.from_numpy((rgb - mean) / std).permute(2, 0, 1).float()
+            torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-6)
 
 
 def test_imagereward_without_its_files_names_its_variable(tmp_path, monkeypatch):
@@ -226,7 +259,10 @@ def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
     into today's Qwen2-VL class; each image is shown at HPSv3's 256 merged tokens with HPSv3's
     question holding <|Reward|> once, and the score is μ, the head's first output at that token.
     Checked against transformers' own loading of the same weights (its conversion of the old
-    names) and a forward that returns every layer's hidden states."""
+    names), each image alone, run as HPSv3's Qwen2VLRewardModelBT.forward runs it: the image's
+    features scattered into the token embeddings, then the language model on inputs_embeds with
+    no position_ids (every token at its index, as under transformers 4.45.2), not Qwen2-VL's own
+    forward with its 3-D image positions (M-RoPE), which scores otherwise."""
     from safetensors.torch import load_file, save_file
     from transformers import Qwen2VLForConditionalGeneration
 
@@ -254,13 +290,28 @@ def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
     save_file({k: v for k, v in state.items() if not k.startswith("rm_head.")},
               folder / "model.safetensors")  # fmt: skip
     model = Qwen2VLForConditionalGeneration.from_pretrained(folder).eval()
-    with torch.no_grad():
-        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
-        h = hidden[inputs["input_ids"] == reward_id]
-        h = torch.relu(h @ state["rm_head.0.weight"].T + state["rm_head.0.bias"])
+
+    def mu(hidden: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(hidden @ state["rm_head.0.weight"].T + state["rm_head.0.bias"])
         h = torch.relu(h @ state["rm_head.3.weight"].T + state["rm_head.3.bias"])
-        expected = (h @ state["rm_head.5.weight"].T + state["rm_head.5.bias"])[:, 0]
+        return (h @ state["rm_head.5.weight"].T + state["rm_head.5.bias"])[:, 0]
+
+    expected, mrope = [], []
+    for i, text in enumerate(texts):
+        one = vlm.inputs(rewards.to_pil(x[i : i + 1]), [text])  # alone: no padding
+        at = one["input_ids"] == reward_id
+        with torch.no_grad():
+            embeds = model.model.language_model.embed_tokens(one["input_ids"])
+            patches = model.model.get_image_features(one["pixel_values"], one["image_grid_thw"])
+            patches = torch.cat(patches.pooler_output)
+            image = (one["input_ids"] == vlm.image_token_id)[..., None].expand_as(embeds)
+            embeds = embeds.masked_scatter(image, patches)
+            hidden = model.model.language_model(inputs_embeds=embeds).last_hidden_state
+            expected.append(mu(hidden[at]))
+            mrope.append(mu(model(**one, output_hidden_states=True).hidden_states[-1][at]))
+    expected, mrope = torch.cat(expected), torch.cat(mrope)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert (mrope - expected).abs().max() > 0.05  # 0.17 here: the positions matter
     assert not torch.equal(got, fn(x, prompts[::-1]))
 
 
@@ -278,3 +329,36 @@ def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("RECAST_HPSV3_PROMPT", str(tmp_path / "collator.py"))
     with pytest.raises(ValueError, match="RECAST_HPSV3_PROMPT"):
         rewards.get("hpsv3", CPU)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parity with the released code (benchmarks/reward_parity.py)
+# ---------------------------------------------------------------------------------------------
+def test_reward_parity_without_its_environments_says_how_to_make_them(tmp_path, capsys):
+    from benchmarks import reward_parity
+
+    assert reward_parity.main(["--envs", str(tmp_path)]) == 2
+    assert (
+        f"python -m benchmarks.reward_parity --setup --envs {tmp_path}" in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit) as exit:
+        reward_parity.main(["--rewards", "nope"])
+    assert exit.value.code == 2
+    assert "--rewards: no reference for ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_rewards_score_as_their_released_code(tmp_path):
+    """Each reward beside its reference, run as released in its own venv (reward_parity.py):
+    max |Δ| within the stated tolerance. Skipped, saying how to build them, without the venvs."""
+    from benchmarks import reward_parity
+
+    envs = reward_parity.DEFAULT_ENVS
+    missing = [n for n in reward_parity.REFERENCES if not reward_parity.python(envs, n).exists()]
+    if missing:
+        pytest.skip(f"no venv for {missing}: python -m benchmarks.reward_parity --setup")
+    out = tmp_path / "parity.json"
+    assert reward_parity.main(["--keep", str(tmp_path), "--json", str(out)]) == 0
+    for row in json.loads(out.read_text()):
+        assert row["max_delta"] <= row["tolerance"], row
+        assert row["spread"] > 100 * row["tolerance"], row  # the images' scores differ

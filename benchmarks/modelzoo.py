@@ -409,6 +409,18 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
+def byte_vocabulary() -> dict[str, int]:
+    """`tiny_vlm`'s vocabulary: <|endoftext|>, the 256 byte-level symbols, VLM_SPECIAL_TOKENS."""
+    from tokenizers import pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    for token in VLM_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return vocab
+
+
 def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     """Write a tiny random Qwen2.5-VL into `folder` as a released Qwen2.5-VL-Instruct folder is laid
     out (config.json and weights, tokenizer with chat template, preprocessor_config.json), so that
@@ -419,7 +431,6 @@ def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     single tokens, as in Qwen's vocabulary) plus VLM_SPECIAL_TOKENS. Its answers mean nothing;
     loading, preprocessing and the forward are the real model's. Same seed, same weights; the
     caller's random state is left as it was."""
-    from tokenizers import pre_tokenizers
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -428,11 +439,7 @@ def tiny_vlm(folder: str | os.PathLike, seed: int = 0) -> str:
     )
 
     folder = os.fspath(folder)
-    vocab = {"<|endoftext|>": 0}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    for token in VLM_SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
+    vocab = byte_vocabulary()
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
@@ -702,10 +709,10 @@ TINY_IMAGEREWARD_MED = dict(
 )  # fmt: skip  (the vocabulary and BLIP's [DEC] and [ENC])
 
 
-def tiny_imagereward_parts(seed: int = 0):
-    """The tiny ImageReward's parts, built with transformers' BLIP classes: (BlipVisionModel,
-    BlipTextModel, the MLP head's state dict). Same seed, same weights; the caller's random
-    state is left as it was."""
+def tiny_imagereward_parts(seed: int = 0, image_size: int = 32):
+    """The tiny ImageReward's parts, built with transformers' BLIP classes: (BlipVisionModel on
+    `image_size` px, BlipTextModel, the MLP head's state dict). Same seed, same weights; the
+    caller's random state is left as it was."""
     from transformers import BlipTextConfig, BlipVisionConfig
     from transformers.models.blip.modeling_blip import BlipVisionModel
     from transformers.models.blip.modeling_blip_text import BlipTextModel
@@ -714,7 +721,7 @@ def tiny_imagereward_parts(seed: int = 0):
         torch.manual_seed(seed)
         vision = BlipVisionModel(BlipVisionConfig(
             hidden_size=128, intermediate_size=512, num_hidden_layers=1, num_attention_heads=2,
-            image_size=32, patch_size=8, layer_norm_eps=1e-6,
+            image_size=image_size, patch_size=8, layer_norm_eps=1e-6,
         ))  # fmt: skip
         text = BlipTextModel(BlipTextConfig(
             vocab_size=TINY_IMAGEREWARD_MED["vocab_size"], hidden_size=32, encoder_hidden_size=128,
@@ -726,16 +733,16 @@ def tiny_imagereward_parts(seed: int = 0):
     return vision.eval(), text.eval(), head
 
 
-def tiny_imagereward(folder: str | os.PathLike, seed: int = 0) -> str:
+def tiny_imagereward(folder: str | os.PathLike, seed: int = 0, image_size: int = 32) -> str:
     """A tiny random ImageReward saved into `folder` as released (ImageReward.pt with BLIP's own
     parameter names, med_config.json) beside a BERT-style vocab.txt: `tiny_imagereward_parts`
-    (a 1-layer BLIP ViT 128 wide on 32 px images of 8 px patches, a 1-layer text encoder with
-    cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
+    (a 1-layer BLIP ViT 128 wide on `image_size` px images of 8 px patches, a 1-layer text
+    encoder with cross-attention, an MLP head), renamed to BLIP's names. Returns the folder."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(TINY_IMAGEREWARD_VOCAB) + "\n")
     (folder / "med_config.json").write_text(json.dumps(TINY_IMAGEREWARD_MED, indent=2))
-    vision, text, head = tiny_imagereward_parts(seed)
+    vision, text, head = tiny_imagereward_parts(seed, image_size)
     blip_names = [  # transformers' BLIP names → BLIP's (ImageReward's checkpoint)
         ("embeddings.patch_embedding.", "patch_embed.proj."),
         ("embeddings.position_embedding", "pos_embed"), ("embeddings.class_embedding", "cls_token"),
@@ -777,6 +784,7 @@ def tiny_hpsv3(folder: str | os.PathLike, seed: int = 0) -> dict[str, str]:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]},
         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"], bos_token_id=None,
+        initializer_range=0.2,  # 10 x Qwen's: attention that sees where a token is (its position)
     )  # fmt: skip
     config = Qwen2VLConfig(
         text_config=text,
