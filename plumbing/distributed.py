@@ -360,10 +360,14 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sh
 
 
 def load_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
-    """optimizer_state's inverse: every rank reads the whole state and keeps its shard."""
+    """optimizer_state's inverse: every rank reads the whole state and keeps its shard. A trained
+    parameter without state stays without, as optimizer.load_state_dict leaves it: AdamW makes a
+    parameter's state at its first gradient, and some never get one (Qwen-Image's last block
+    discards its text stream, so that block's text-side adapters have no gradient), which
+    strict=True (torch's default here) refuses."""
     if not sharded:
         return optimizer.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -13,6 +13,7 @@ pipelines modelzoo builds (random weights, nothing downloaded):
   fp32 gradients, and the timestep reaches the transformer in fp32 (seconds);
 - loading: the models built on meta, sharded, and read by rank 0 and broadcast equal the models
   loaded whole in every family, and no rank's host holds a whole copy (slow);
+- Qwen-Image trains one epoch sharded and resumes to the numbers of an unbroken run (slow);
 - 4 ranks posing as 2 nodes of 2 take HSDP's 2-D mesh and equal one flat mesh (slow);
 - `torchrun --nproc-per-node 1 recast.py --shard` trains two epochs (slow; on CUDA in
   benchmarks/gpu_check.py).
@@ -229,6 +230,27 @@ def test_a_dead_rank_ends_a_sharded_run_in_seconds(models, tmp_path):
     assert f"recast.py --out {out} --resume" in said
 
 
+@pytest.mark.slow
+def test_qwen_image_trains_and_resumes_sharded(models, tmp_path):
+    """Qwen-Image under --shard (its rotary tables, plain tensor attributes, given rank 0's values
+    on every rank): one epoch, then --resume to two, equals two epochs without a stop, bit for
+    bit (weights and metrics), and the adapters train."""
+    torch.manual_seed(0)
+    models = {**models, "qwen-image": modelzoo.tiny_family("qwen-image", tmp_path / "qwen")}
+    flags = flags_of(models, "qwen-image", "--shard")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run2(models, whole, *flags, "--epochs", "2")
+    run2(models, part, *flags, "--epochs", "1")
+    run2(models, part, "--resume", "--epochs", "2")
+    x, y = lora(part, 2), lora(whole, 2)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in y)
+    assert max(y[k].abs().max().item() for k in y if "lora_B.default" in k) > 1e-3  # trained
+    assert [m["epoch"] for m in metrics_of(part)] == [0, 1, 2]
+    common = lambda m, n: {k: v for k, v in numbers(m).items() if k in n}  # noqa: E731
+    for a, b in zip(metrics_of(part), metrics_of(whole), strict=True):
+        assert common(a, b) == common(b, a)
+
+
 def nodes(models, out, *flags, n: int = 2, per_node: int = 2) -> str:
     """One torchrun launcher per node, as on a cluster (static rendezvous at node 0's address),
     all on this machine and sharing the run folder; node 0's output."""
@@ -363,6 +385,12 @@ class HostPeak:
         self.hwm = _rss("VmHWM") - self.base_rss
 
 
+def _attributes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's plain tensor attributes (neither parameters nor buffers), by module.name."""
+    return {f"{owner}.{k}": v for owner, m in model.named_modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor)}  # fmt: skip
+
+
 def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
     """One of 2 gloo ranks: --shard's loading (meta models, sharded, rank 0 reading and
     broadcasting), its host memory, then each model's whole state gathered and, on rank 0,
@@ -395,6 +423,7 @@ def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
         options = dsd.StateDictOptions(full_state_dict=True)
         sharded = [dsd.get_model_state_dict(m, options=options) for m in world.shardable()]
         sharded_buffers = [dict(m.named_buffers()) for m in world.shardable()]
+        attributes = [_attributes(m) for m in world.shardable()]
         args.shard = False
         whole = families.load(args, cpu)  # as without --shard
         models = whole.shardable()
@@ -406,6 +435,10 @@ def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
                          if k not in sd or not torch.equal(sd[k], t)]  # fmt: skip
         out["buffers_differ"] = [k for _, b, m in pairs for k, t in m.named_buffers()
                                  if not torch.equal(b[k], t)]  # fmt: skip
+        out["attributes_differ"] = [k for a, m in zip(attributes, models, strict=True)
+                                    for k, t in _attributes(m).items()
+                                    if k not in a or not torch.equal(a[k], t)]  # fmt: skip
+        out["attributes"] = sum(len(a) for a in attributes)
         out["adapters"] = len(whole.lora)
         out["trained"] = sorted({str(p.dtype) for p in world.trainable.parameters()
                                  if p.requires_grad})  # fmt: skip
@@ -435,9 +468,10 @@ def sharded_load(models, tmp_path, variant: str, folder=None, *more: str) -> dic
 def test_sharded_loading_gives_the_weights_loaded_whole(models, tmp_path, variant):
     """--shard builds the transformer and the text encoders on the meta device, shards them, and
     loads them with rank 0 reading each model and broadcasting it: gathered back whole, every
-    weight, both adapters (drawn from --seed as without --shard) and every buffer (CLIP's position
-    ids, rotary frequencies) equal the models loaded whole as without --shard, bit for bit, in
-    every family (T5, Qwen2.5-VL and Qwen3 text encoders among them)."""
+    weight, both adapters (drawn from --seed as without --shard), every buffer (CLIP's position
+    ids, rotary frequencies) and every plain tensor attribute (Qwen-Image's rotary tables) equal
+    the models loaded whole as without --shard, bit for bit, in every family (T5, Qwen2.5-VL and
+    Qwen3 text encoders among them)."""
     folder = None
     if variant not in models:
         torch.manual_seed(0)
@@ -448,6 +482,8 @@ def test_sharded_loading_gives_the_weights_loaded_whole(models, tmp_path, varian
         assert x["trained"] == ["torch.float32"] and x["adapters"] > 0
     x = said[0]
     assert all(x["names"]) and x["differ"] == [] and x["buffers_differ"] == [], x
+    assert x["attributes_differ"] == [], x["attributes_differ"]
+    assert x["attributes"] == (2 if variant == "qwen-image" else 0)  # pos_freqs, neg_freqs
 
 
 @pytest.mark.slow

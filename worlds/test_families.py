@@ -196,6 +196,35 @@ def test_flux2_klein_unpacks_as_the_pipeline_does_on_every_diffusers(tiny_dirs, 
     assert torch.equal(flux2world.unpack(z), world.pipe._unpack_latents_with_ids(z, ids))
 
 
+def test_a_tensor_left_on_meta_is_named_before_any_forward(tiny_dirs):
+    """diffusersworld.check_loaded names every tensor still on the meta device, module and
+    attribute, whether a parameter, a buffer or a plain attribute: a Qwen-Image transformer built
+    on meta (--shard's skeleton) names its rotary tables, which QwenEmbedRope keeps outside its
+    buffers; the same transformer read whole passes, and names the one table put back on meta."""
+    from worlds import diffusersworld
+
+    folder = tiny_dirs("qwen-image")
+    spec = diffusersworld.read_configs(folder)["pipeline"]["transformer"]
+    empty = diffusersworld.skeleton(folder, "transformer", spec, torch.float32)
+    found = diffusersworld.left_on_meta(empty)
+    assert "pos_embed.pos_freqs (attribute)" in found and "pos_embed.neg_freqs (attribute)" in found
+    assert "proj_out.weight (parameter)" in found
+    with pytest.raises(RuntimeError, match=r"transformer: \d+ tensors left on the meta device"):
+        diffusersworld.check_loaded(empty, "transformer")
+    whole = diffusersworld.read_whole(folder, "transformer", spec, torch.float32)
+    diffusersworld.check_loaded(whole, "transformer")  # nothing on meta: no error
+    whole.pos_embed.neg_freqs = whole.pos_embed.neg_freqs.to("meta")
+    with pytest.raises(RuntimeError) as e:
+        diffusersworld.check_loaded(whole, "transformer")
+    assert str(e.value).endswith("1 tensors left on the meta device after loading, without "
+                                 "values: pos_embed.neg_freqs (attribute)")  # fmt: skip
+    whole.register_buffer("lost", torch.empty(2, device="meta"))
+    assert diffusersworld.left_on_meta(whole) == [
+        "lost (buffer)",
+        "pos_embed.neg_freqs (attribute)",
+    ]
+
+
 def recast_exit(capsys, *flags) -> str:
     import recast
 
