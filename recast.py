@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
     if run.args.profile:  # before training: where is each reward informative?
         return profile(run)
     args, world, names, G = run.args, run.world, run.names, run.args.group_size
-    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
+    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log, run.resolved())
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
     with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1 naming the checkpoint
         evals = harness.EvalSet(run, history, sample)  # fixed held-out set; base model: epoch 0
