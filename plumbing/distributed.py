@@ -53,32 +53,36 @@ def startup_timeout() -> datetime.timedelta:
     return _seconds("RECAST_STARTUP_TIMEOUT", STARTUP_TIMEOUT)
 
 
-def start_training() -> None:
-    """From here on every collective waits collective_timeout, no longer startup_timeout: called
-    once the models are loaded and the base model evaluated. torch sets a process group's timeout
-    when it is made (init_process_group(timeout=...); a group made later without one, as a 2-D
-    mesh's may be, takes torch's default: 10 min on nccl, 30 on gloo), and this sets the loop's on
-    every group. torch.distributed.distributed_c10d._set_pg_timeout changes it for the
-    collectives issued after the call, on gloo (ProcessGroupGloo's options and contexts; measured:
-    a 2 s timeout set after a 60 s one ends a wait after 2.0 s, and the reverse waits out a 6 s
-    late rank) and on nccl (ProcessGroupNCCL's options, which each new work's watchdog deadline
-    reads: from torch's code, not run here). It is private: if a torch lacks it, the loop keeps the
-    start-up timeout, with a note."""
-    global _timeout_variable
-    if not dist.is_initialized():
-        return
-    c10d, timeout = dist.distributed_c10d, collective_timeout()
+def _set_timeout(timeout: datetime.timedelta) -> bool:
+    """Set `timeout` on every process group this rank is in (the default group, and any other: a
+    2-D mesh's); False where this torch cannot. torch sets a group's timeout when it is made
+    (init_process_group(timeout=...)); a group made later without one, as init_device_mesh makes
+    a 2-D mesh's, takes torch's default: 10 min on nccl, 30 on gloo.
+    torch.distributed.distributed_c10d._set_pg_timeout changes it for the collectives issued
+    after the call, on gloo (ProcessGroupGloo's options and contexts; measured: a 2 s timeout set
+    after a 60 s one ends a wait after 2.0 s, and the reverse waits out a 6 s late rank) and on
+    nccl (ProcessGroupNCCL's options, which each new work's watchdog deadline reads: from torch's
+    code, not run here). It is private: if a torch lacks it, the groups keep theirs."""
+    c10d = dist.distributed_c10d
     try:
         groups = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
-        for group in groups:  # the default group, and any other (a 2-D mesh's)
+        for group in groups:
             c10d._set_pg_timeout(timeout, group)
     except AttributeError as e:
         if dist.get_rank() == 0:
-            print(f"note: this torch cannot change a process group's timeout ({e}): the loop's "
-                  f"collectives keep RECAST_STARTUP_TIMEOUT ({startup_timeout().total_seconds():g}"
-                  " s)")  # fmt: skip
-        return
-    _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
+            print(f"note: this torch cannot change a process group's timeout ({e}): a group "
+                  "keeps the timeout it was made with")  # fmt: skip
+        return False
+    return True
+
+
+def start_training() -> None:
+    """From here on every collective waits collective_timeout, no longer startup_timeout: called
+    once the models are loaded and the base model evaluated; every group takes the loop's
+    (_set_timeout). If this torch cannot change it, the loop keeps the start-up timeout."""
+    global _timeout_variable
+    if dist.is_initialized() and _set_timeout(collective_timeout()):
+        _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
 
 
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
@@ -277,11 +281,17 @@ def shard_mesh(device: torch.device):
 
     nodes, local = node_layout()
     if nodes == 1:
-        return init_device_mesh(device.type, (local,))
-    if dist.get_rank() == 0:
-        print(f"note: --shard on {nodes} nodes of {local} ranks: each node shards the models "
-              "among its ranks, and the nodes hold replicas (HSDP)")  # fmt: skip
-    return init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (local,))
+    else:
+        if dist.get_rank() == 0:
+            print(f"note: --shard on {nodes} nodes of {local} ranks: each node shards the models "
+                  "among its ranks, and the nodes hold replicas (HSDP)")  # fmt: skip
+        mesh = init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+    # a group the mesh made has torch's default timeout (10 min on nccl), and the base model's
+    # evaluation and a resume's first collectives run on it: the start-up's, as every group's
+    if _timeout_variable == "RECAST_STARTUP_TIMEOUT":
+        _set_timeout(startup_timeout())
+    return mesh
 
 
 def shard_models(
