@@ -251,6 +251,82 @@ def test_qwen_image_trains_and_resumes_sharded(models, tmp_path):
         assert common(a, b) == common(b, a)
 
 
+def _gradient_worker(rank: int, world: int, port: int, flags: list[str], said: str) -> None:
+    """recast.nft_update on fixed images, r and W, on one of `world` gloo ranks (world 1: one
+    process, no process group): the whole gradient each optimizer step receives (after DDP's
+    all-reduce or FSDP2's reduce-scatter, gathered whole), and the loss it returns, saved in
+    the file `said` + rank (a queue's pipe would block on them until the parent reads it)."""
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    import harness
+    import recast
+
+    run = harness.setup(recast.Args, flags, "")
+    args, world_ = run.args, run.world
+    grads, step = [], run.optimizer.step
+
+    def recorded(*a, **k):  # each step's gradient, whole, before AdamW moves the weights
+        whole = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in run.params]
+        grads.append([g.detach().double().clone() for g in whole])
+        return step(*a, **k)
+
+    run.optimizer.step = recorded
+    gen = torch.Generator().manual_seed(5)
+    N, K, T = args.prompts * args.group_size, len(run.names), args.steps
+    x0 = torch.randn(N, *world_.latent_shape, generator=gen)
+    r = torch.rand(K, N, generator=gen)
+    W = torch.rand(K, T, generator=gen) + 0.1
+    loss, steps = recast.nft_update(run, 1, world_.train_prompts[: args.prompts], x0, r, W, 0)
+    torch.save({"grads": grads, "loss": loss.item(), "steps": steps}, f"{said}{rank}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def gradients(flags: list[str], world: int, out) -> dict:
+    """What _gradient_worker says on each of `world` processes, {rank: {...}}; `out`: the run
+    folder (--out)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said = f"{out}.rank"
+    mp.spawn(_gradient_worker, args=(world, port, [*flags, "--out", str(out)], said), nprocs=world)
+    return {rank: torch.load(f"{said}{rank}") for rank in range(world)}
+
+
+# (--train-frac, --grad-accum) of 18 pairs (2 prompts × G 3 × T 3) in micro-batches of 4, split in
+# halves between 2 ranks: 9 pairs (4, 4, 1: the last one's pair on rank 1, none on rank 0), in
+# one step and in one step a micro-batch; 7 pairs (4, 3: 1 and 2) in one step
+UNEVEN = [("0.5", "3"), ("0.5", "1"), ("0.39", "2")]
+
+
+@pytest.mark.parametrize(("frac", "accum"), UNEVEN)
+def test_uneven_shares_give_the_single_process_gradient_under_ddp(tmp_path, frac, accum):
+    """Each rank's loss is the sum over its pairs over the step's count of pairs, so the ranks'
+    gradients add up to one process's on any split (G·T odd, a rank one pair short, a rank with
+    none: it joins DDP's all-reduce with a zero gradient): every step's gradient and the loss
+    within fp32 rounding of the same update in one process (2 gloo ranks, the toy world)."""
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", "--prompts", "2", "--group-size", "3", "--steps",
+             "3", "--batch-size", "4", "--train-frac", frac, "--grad-accum", accum,
+             "--grad-clip", "1e9", "--device", "cpu"]  # fmt: skip
+    one = gradients(flags, 1, tmp_path / "one")[0]
+    two = gradients(flags, 2, tmp_path / "two")
+    assert one["steps"] == (1 if accum != "1" else 3)
+    for rank, x in two.items():
+        assert x["steps"] == one["steps"] and len(x["grads"]) == one["steps"], rank
+        for got_step, want_step in zip(x["grads"], one["grads"], strict=True):
+            scale = max(g.abs().max().item() for g in want_step)  # the step's largest element
+            assert scale > 0
+            for got, want in zip(got_step, want_step, strict=True):
+                assert (got - want).abs().max().item() <= 1e-5 * scale, rank
+        assert x["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
 def nodes(models, out, *flags, n: int = 2, per_node: int = 2) -> str:
     """One torchrun launcher per node, as on a cluster (static rendezvous at node 0's address),
     all on this machine and sharing the run folder; node 0's output."""
