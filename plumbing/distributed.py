@@ -85,13 +85,41 @@ def start_training() -> None:
         _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
 
 
+# NCCL's own handling of a failed or timed-out collective, set where the environment does not:
+# docs/failure_modes.md#on-nccl says what each does and what a lost rank then looks like
+NCCL_ENVIRONMENT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # the watchdog ends the process (torchrun's default)
+    "TORCH_NCCL_ENABLE_MONITORING": "1",  # needed for the dump below (torch's default)
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the flight recorder: each group's last collectives
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # written by every rank when one times out
+}
+NCCL_DUMP = "/tmp/nccl_trace_rank_"  # torch's TORCH_NCCL_DEBUG_INFO_TEMP_FILE, a rank's suffixed
+
+
+def nccl_environment() -> dict[str, str]:
+    """Set NCCL_ENVIRONMENT's variables that are not set already (a value given wins); returns
+    what it set."""
+    unset = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(unset)
+    return unset
+
+
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     """(rank, device), the process group started under torchrun with startup_timeout (the loop
-    runs with collective_timeout: start_training); seeds set per rank."""
+    runs with collective_timeout: start_training); seeds set per rank. On nccl its diagnostics
+    are on (nccl_environment), and rank 0 says what a lost rank will print and how to resume."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     if distributed:
         collective_timeout()  # a bad value exits 2 now, not once the models are loaded
+        if use_cuda:
+            nccl_environment()  # read when the process group is made
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=startup_timeout())
+        if use_cuda and dist.get_rank() == 0:  # said now: a lost rank's message will be torch's
+            dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", NCCL_DUMP)
+            print(f"note: nccl: a collective that fails or times out ends every process from "
+                  f"NCCL's watchdog, with PyTorch's message (each rank's last collectives in "
+                  f"{dump}<rank>); the newest checkpoint is kept: continue with "
+                  f"{resume_command(args.out)} (docs/failure_modes.md#on-nccl)")  # fmt: skip
     rank = dist.get_rank() if distributed else 0
     device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:

@@ -410,6 +410,22 @@ def test_the_two_timeouts_come_from_their_variables_and_a_bad_one_exits_2(monkey
         monkeypatch.delenv(name)
 
 
+def test_nccl_diagnostics_are_set_where_the_environment_does_not(monkeypatch):
+    """On nccl the watchdog's teardown, its monitoring, the flight recorder and its dump on a
+    timeout are on unless the environment says otherwise: a variable already set is kept."""
+    from plumbing import distributed
+
+    for name in distributed.NCCL_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    set_now = distributed.nccl_environment()
+    assert set_now == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert all(os.environ[k] == v for k, v in set_now.items())
+    assert distributed.nccl_environment() == {}  # all set now: nothing more
+
+
 def _timeouts_worker(rank: int, world: int, port: int, per_node: int, results) -> None:
     """One of `world` gloo ranks, numbered as torchrun numbers `per_node` ranks a node: the
     seconds each of its process groups would wait after init_processes and --shard's mesh, and
