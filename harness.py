@@ -299,7 +299,12 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
                      load=world.load_shards)  # fmt: skip
     elif distributed:
         ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+        # find_unused_parameters where some adapters get no gradient (a family's fact; the toy
+        # world's parameters all do): DDP would otherwise wait for them at the next forward
+        unused = getattr(world, "unused_adapters", False)
+        world.policy = torch.nn.parallel.DistributedDataParallel(
+            world.trainable, device_ids=ids, find_unused_parameters=unused
+        )
     scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
     for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
         try:  # a reward model missing (file, package, hub access) is bad input too

@@ -16,6 +16,7 @@ from model_index.json) is a module that says how its family differs, and nothing
     PIPELINE, NAME            the diffusers pipeline class it serves, and a name for messages
     LORA_TARGETS              the transformer's Linear layers that take adapters (name suffixes)
     ENCODE_CHUNK, DECODE_CHUNK  prompts per text-encoder forward, latents per VAE decode
+    UNUSED_ADAPTERS           whether some adapters never reach the velocity (no gradient)
     check(configs, args)      flags the family needs or refuses (BadInput), from the configs
     latent_shape(pipe, resolution)  one image's latents in the layout the transformer reads
     encode(pipe, prompts, device)   a tuple of (B, ...) tensors: the condition of each prompt
@@ -351,6 +352,7 @@ class DiffusersWorld:
         if "transformer" not in self._skeletons:
             transformer = transformer.to(device)
         self.transformer = self.trainable = self.policy = transformer
+        self.unused_adapters = family.UNUSED_ADAPTERS  # DDP must look for them (harness.setup)
         if self._source is None and loaded:  # read whole here (--shard's: once load_shards ran)
             for name, model in (("transformer", transformer), *self._encoders()):
                 check_loaded(model, name)

@@ -368,14 +368,16 @@ def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs,
 
 
 @pytest.mark.slow
-def test_torchrun_trains_flux_dev_in_step(tiny_dirs, prompts_file, reward_env, tmp_path):
-    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it)."""
+@pytest.mark.parametrize("variant", ["flux-dev", "qwen-image"])
+def test_torchrun_trains_in_step(variant, tiny_dirs, prompts_file, reward_env, tmp_path):
+    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it);
+    Qwen-Image's adapters without a gradient (UNUSED_ADAPTERS) do not stall DDP's reduction."""
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("a purple cat\na purple boat\n")
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs("flux-dev"),
-        "--guidance", "3.5", "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
+    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs(variant),
+        *VARIANTS[variant][1], "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
         *RUN, "--epochs", "2", "--out", str(out), env=reward_env)  # fmt: skip
     lines = metrics_of(out)
     assert [m["epoch"] for m in lines] == [0, 1, 2]
