@@ -470,18 +470,20 @@ def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
         counted = mine.start < mine.stop  # none (a short last micro-batch): one stands in
         mine = mine if counted else slice(0, 1)  # (a model's forward takes no empty batch)
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
-        loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine], counted)  # this rank's sum
-        if not loss.is_meta and not torch.isfinite(loss):  # stop before the step: the last
-            # checkpoint stays good (meta tensors, benchmarks/memory_plan.py's: shapes only)
-            raise FloatingPointError(
-                f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
-                f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
-            )
-        with run.observe("backward"):  # the step's gradient: the mean over its pairs
-            (loss * run.world_size / (step_end - (s - s % per_step))).backward()
+        last = s + len(batch) == step_end  # the step's last micro-batch: the ranks reduce
+        with distributed.gradient_sync(world, last):  # their gradients then, once a step
+            loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine], counted)  # rank's sum
+            if not loss.is_meta and not torch.isfinite(loss):  # stop before the step: the last
+                # checkpoint stays good (meta tensors, benchmarks/memory_plan.py's: shapes only)
+                raise FloatingPointError(
+                    f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
+                    f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
+                )
+            with run.observe("backward"):  # the step's gradient: the mean over its pairs
+                (loss * run.world_size / (step_end - (s - s % per_step))).backward()
         sums.append(loss.detach())
         sizes.append(len(batch))
-        if s + len(batch) == step_end:  # the step's last micro-batch
+        if last:
             with run.observe("step"):
                 torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
                 run.optimizer.step()

@@ -239,6 +239,28 @@ def lost_rank_exits(run_dir: str):
         raise
 
 
+@contextmanager
+def gradient_sync(world, sync: bool):
+    """Within it, a backward reduces the gradients across the ranks only when `sync` (the last
+    micro-batch of an optimizer step); before it each rank adds its micro-batches' gradients into
+    its own, reduced with the last one's: one reduction a step instead of one a micro-batch
+    (--grad-accum). DDP: its no_sync() around the forward and backward; --shard (FSDP2):
+    set_requires_gradient_sync on every sharded model (the reduce-scatter, and across nodes the
+    all-reduce, skipped; the adapters' gradients held whole meanwhile). One process: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    policy = world.policy
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not sync:
+        with policy.no_sync():
+            yield
+        return
+    shardable = getattr(world, "shardable", list)  # the toy world shards nothing
+    for module in shardable():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync)
+    yield
+
+
 # ---------------------------------------------------------------------------------------------
 # --shard: FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP
 # ---------------------------------------------------------------------------------------------
