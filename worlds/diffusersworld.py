@@ -146,12 +146,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`whole` sharded as `t` is, when `t` is a DTensor (each rank keeps its shard)."""
+    """`whole` sharded as `t` is, when `t` is a DTensor: each rank cuts its shard from its own
+    copy (src_data_rank=None: no scatter from rank 0), for every rank holds the same whole
+    tensor (a resumed checkpoint, whose digest the ranks compared before loading it)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(t, DTensor):
         return whole
-    return distribute_tensor(whole.to(t.device_mesh.device_type), t.device_mesh, t.placements)
+    return distribute_tensor(whole.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                             src_data_rank=None)  # fmt: skip
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
