@@ -8,6 +8,7 @@ samples.png, the one log line an epoch and the checkpoint (`save_epoch`). recast
 it imports nothing of recast.py: the method's functions it calls (the sampler) are passed in.
 """
 
+import json
 import math
 import os
 import time
@@ -35,7 +36,9 @@ BEFORE = {
 }
 
 # Flags that may change on --resume; every other one defines the method and must match.
-RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile"}
+# --precision may be given again, provided it resolves to the run's (check_resumed_precision).
+RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile",
+             "precision"}  # fmt: skip
 # Flags that --profile ignores (it trains and evaluates nothing): a note says so when given.
 TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac", "kl_coef",
                  "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
@@ -97,6 +100,7 @@ class Run:
     sigmas: torch.Tensor  # (T+1,): t_0 = 1 > … > t_T = 0
     params: list
     optimizer: torch.optim.Optimizer
+    precision: str | None = None  # a diffusers model's, --precision resolved; None: the toy's
     views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
     flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
     # A benchmark's hooks. `observe` is entered around each phase and step of the loop by name
@@ -106,6 +110,10 @@ class Run:
     # CPU check gives its PyTorch reference, whose memory a CPU allocator can measure).
     observe: Callable[[str], AbstractContextManager] = nullcontext
     nft_loss: Callable[..., torch.Tensor] | None = None
+
+    def resolved(self) -> dict:
+        """What the run resolved at its start, kept in args.json beside its flags."""
+        return {} if self.precision is None else {"resolved_precision": self.precision}
 
     def log(self, *a, **k) -> None:  # rank 0 speaks for every rank
         if self.rank == 0:
@@ -281,6 +289,9 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     )
     rank, device = init_processes(args, distributed)
     rundir.check_shared_folder(args, rank)  # every rank sees rank 0's --out: else exit 2
+    precision = resolve_precision(args, device) if is_diffusers(args.model) else None
+    if args.resume and precision is not None:
+        check_resumed_precision(args, precision, device, rank0)
     world = load_world(args, device)
     if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
         cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
@@ -296,7 +307,12 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
                      load=world.load_shards)  # fmt: skip
     elif distributed:
         ids = [device.index] if device.type == "cuda" else None
-        world.policy = torch.nn.parallel.DistributedDataParallel(world.trainable, device_ids=ids)
+        # find_unused_parameters where some adapters get no gradient (a family's fact; the toy
+        # world's parameters all do): DDP would otherwise wait for them at the next forward
+        unused = getattr(world, "unused_adapters", False)
+        world.policy = torch.nn.parallel.DistributedDataParallel(
+            world.trainable, device_ids=ids, find_unused_parameters=unused
+        )
     scorers = {}  # the trained rewards, then the held-out judges (default: the world's own)
     for flag, group in (("--rewards", names), ("--judges", judges or world.judge_names)):
         try:  # a reward model missing (file, package, hub access) is bad input too
@@ -309,7 +325,29 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
-               optimizer)  # fmt: skip
+               optimizer, precision)  # fmt: skip
+
+
+def check_resumed_precision(args, precision: str, device: torch.device, rank0: bool) -> None:
+    """A resumed diffusers run computes in the precision it was trained in: `precision`, what
+    --precision resolves to on `device` now, must be the run's (its args.json's
+    resolved_precision), else exit 2 naming both: --precision auto resolves again at every
+    launch (bf16 on CUDA, fp32 elsewhere), and --device may change on resume. A run whose
+    args.json predates resolved_precision is checked against its explicit --precision, if any."""
+    with open(os.path.join(args.out, "args.json")) as f:
+        saved = json.load(f)
+    was = saved.get("resolved_precision", saved.get("precision", "auto"))
+    if was == "auto":  # an older run's auto: the device it ran on is not recorded
+        if rank0:
+            print(f"note: {args.out}/args.json does not say the precision the run computed in; "
+                  f"it continues in {precision} (--precision {args.precision} on "
+                  f"{device.type})")  # fmt: skip
+        return
+    if was != precision:
+        cli.fail("--precision", f"the run computed in {was} ({args.out}/args.json) and this "
+                 f"launch would compute in {precision} (--precision {args.precision} on "
+                 f"{device.type}): add --precision {was} to continue it as it trained, or start "
+                 "a new run with another --out")  # fmt: skip
 
 
 def parse_scale(text: str, names: list[str]) -> list[float]:

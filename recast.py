@@ -469,9 +469,12 @@ def train_weights(run: Run, W: torch.Tensor) -> torch.Tensor:
     return W.new_full((1, run.args.steps), 1 / run.args.steps) if run.args.weighting == "sum" else W
 
 
-def pair_loss(run: Run, x0, cond, r, W, n, i, eps) -> torch.Tensor:
-    """The loss of one micro-batch of pairs: images n of x0 (every rank's) noised to their
-    timesteps i with fresh ε (eps), the trained, old and reference policies' velocities there."""
+def pair_loss(run: Run, x0, cond, r, W, n, i, eps, counted: bool = True) -> torch.Tensor:
+    """The loss summed over this rank's pairs of a micro-batch: images n of x0 (every rank's)
+    noised to their timesteps i with fresh ε (eps), the trained, old and reference policies'
+    velocities there. Not `counted` (a rank without a pair, given one to stand in): the same
+    forwards (collectives under --shard), and 0 with a zero gradient, for DDP's all-reduce and
+    FSDP2's reduce-scatter need every rank's, without the loss's kernel."""
     world, args = run.world, run.args
     t, eps, G = run.sigmas[i], eps.to(world.device), args.group_size
     tt = t.view(-1, *[1] * (x0.dim() - 1))  # any latent layout: images or packed tokens
@@ -481,20 +484,26 @@ def pair_loss(run: Run, x0, cond, r, W, n, i, eps) -> torch.Tensor:
     with torch.no_grad():
         v_old = world.v("old", x_t, c, t)
         v_ref = world.v("ref", x_t, c, t) if args.kl_coef > 0 else None
+    if not counted:
+        return v_theta.sum() * 0
     loss = run.nft_loss or nft_loss  # the fused kernel: nft_loss_readable's drop-in
     with run.observe("loss"):
-        return loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
-                            args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+        mean = loss(v_theta, v_old, x0[n], eps, t, i, r[:, n].T, W, args.beta,
+                    args.adv_clip_max, v_ref, args.kl_coef)  # fmt: skip
+    return mean * len(n)  # both terms are means over the pairs
 
 
 def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
     """A random --train-frac of the N·T (image, timestep) pairs, shuffled with their timestep
     index, in micro-batches of --batch-size pairs (each rank its share), --grad-accum of them per
-    optimizer step. Returns (the mean loss over every rank, a tensor; optimizer steps so far)."""
+    optimizer step. A step's gradient is the mean over its pairs, whatever the ranks' shares:
+    each rank's loss is the sum over its pairs divided by the step's count of pairs (times the
+    number of ranks, which DDP's and FSDP2's mean over ranks divides out). Returns (the mean over
+    micro-batches of their mean loss over every rank's pairs, a tensor; optimizer steps so far)."""
     args, world, T = run.args, run.world, run.args.steps
     W_train, device = train_weights(run, W).to(world.device), world.device
     g_train = epoch_generator(args.seed, epoch, 2)
-    N, losses = x0.shape[0], []
+    N, sums, sizes = x0.shape[0], [], []  # each micro-batch's loss summed over this rank's pairs
     cond = world.encode(prompts)  # all ranks' prompts: any rank may train on any image
     pairs = torch.randperm(N * T, generator=g_train)  # image = pair // T, timestep = pair % T
     pairs = pairs[: max(1, round(args.train_frac * N * T))]  # a random subset, if asked
@@ -504,24 +513,30 @@ def nft_update(run: Run, epoch: int, prompts, x0, r, W, opt_steps: int):
         step_end = min(s - s % per_step + per_step, len(pairs))  # this optimizer step's end
         eps = torch.randn(len(batch), *world.latent_shape, generator=g_train)  # fresh ε
         mine = run.share(len(batch))  # this rank's pairs of the micro-batch
+        counted = mine.start < mine.stop  # none (a short last micro-batch): one stands in
+        mine = mine if counted else slice(0, 1)  # (a model's forward takes no empty batch)
         n, i = (batch[mine] // T).to(device), (batch[mine] % T).to(device)  # i travels with n
-        loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine])
-        if not loss.is_meta and not torch.isfinite(loss):  # stop before the step: the last
-            # checkpoint stays good (meta tensors, benchmarks/memory_plan.py's: shapes only)
-            raise FloatingPointError(
-                f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
-                f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
-            )
-        with run.observe("backward"):  # the step's gradient: the mean over its pairs
-            (loss * len(batch) / (step_end - (s - s % per_step))).backward()
-        losses.append(loss.detach())
-        if s + len(batch) == step_end:  # the step's last micro-batch
+        last = s + len(batch) == step_end  # the step's last micro-batch: the ranks reduce
+        with distributed.gradient_sync(world, last):  # their gradients then, once a step
+            loss = pair_loss(run, x0, cond, r, W_train, n, i, eps[mine], counted)  # rank's sum
+            if not loss.is_meta and not torch.isfinite(loss):  # stop before the step: the last
+                # checkpoint stays good (meta tensors, benchmarks/memory_plan.py's: shapes only)
+                raise FloatingPointError(
+                    f"loss is {loss.item()} at epoch {epoch}, optimizer step {opt_steps}; "
+                    f"weights not saved, the last good checkpoint in {args.out}/ckpt is kept"
+                )
+            with run.observe("backward"):  # the step's gradient: the mean over its pairs
+                (loss * run.world_size / (step_end - (s - s % per_step))).backward()
+        sums.append(loss.detach())
+        sizes.append(len(batch))
+        if last:
             with run.observe("step"):
                 torch.nn.utils.clip_grad_norm_(run.params, args.grad_clip)
                 run.optimizer.step()
                 run.optimizer.zero_grad(set_to_none=True)
             opt_steps += 1
-    return gather(torch.stack(losses).mean()[None]).mean(), opt_steps
+    sums = gather(torch.stack(sums)[None], 0).sum(0)  # (micro-batches,): every rank's pairs
+    return (sums / sums.new_tensor(sizes)).mean(), opt_steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +613,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
     if run.args.profile:  # before training: where is each reward informative?
         return profile(run)
     args, world, names, G = run.args, run.world, run.names, run.args.group_size
-    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log)
+    ckpt = rundir.start_or_resume(args, world, run.optimizer, run.rank, run.log, run.resolved())
     start, opt_steps, gains_ema, history = ckpt  # a new run, or the last good checkpoint's
     with distributed.lost_rank_exits(args.out):  # a lost rank: exit 1 naming the checkpoint
         evals = harness.EvalSet(run, history, sample)  # fixed held-out set; base model: epoch 0

@@ -1829,6 +1829,46 @@ def test_sd3_scoring_defaults_score_four_groups_in_bf16():
         assert sum(map(len, shares)) == 4 and max(map(len, shares)) == -(-4 // ranks), shares
 
 
+def test_a_resume_in_another_precision_exits_2_naming_both(sd3_dir, prompts_file, with_rewards,
+                                                          tmp_path, capsys):  # fmt: skip
+    """args.json keeps the precision a diffusers run resolved (--precision auto: fp32 here); a
+    resume that would compute in another (--precision bf16 given, or auto on another device
+    than a bf16 run's) exits 2 naming both and --precision, and writes nothing; --precision bf16
+    continues a bf16 run on this CPU."""
+    import harness
+    import recast
+
+    out = tmp_path / "run"
+    flags = ["--model", sd3_dir, "--rewards", "pickscore", "--lambda", "1", "--prompts-file",
+             prompts_file, "--prompts", "2", "--group-size", "2", "--steps", "2",
+             "--batch-size", "4", "--eval-seeds", "1", "--resolution", "32", "--lora-rank", "4",
+             "--lora-alpha", "8", "--device", "cpu"]  # fmt: skip
+    main_here(*flags, "--epochs", "0", "--out", out)
+    saved = json.loads((out / "args.json").read_text())
+    assert (saved["precision"], saved["resolved_precision"]) == ("auto", "fp32")
+    files = sorted(os.listdir(out))
+
+    def refused(*more) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            recast.main(["--out", str(out), "--resume", *more])
+        assert e.value.code == 2
+        assert sorted(os.listdir(out)) == files  # nothing written
+        return capsys.readouterr().err
+
+    err = refused("--precision", "bf16")
+    assert "error: --precision: the run computed in fp32" in err
+    assert "would compute in bf16 (--precision bf16 on cpu)" in err
+    (out / "args.json").write_text(json.dumps({**saved, "resolved_precision": "bf16"}))  # CUDA's
+    files = sorted(os.listdir(out))
+    err = refused()  # auto, resolved again on this CPU
+    assert "error: --precision: the run computed in bf16" in err
+    assert "would compute in fp32 (--precision auto on cpu)" in err and "--precision bf16" in err
+    run = harness.setup(recast.Args, ["--out", str(out), "--resume", "--precision", "bf16"], "")
+    assert run.precision == "bf16" and run.resolved() == {"resolved_precision": "bf16"}
+    assert next(run.world.transformer.parameters()).dtype == torch.bfloat16
+
+
 def test_sd3_profile_on_the_tiny_pipeline(sd3_dir, prompts_file, reward_env, tmp_path):
     out = tmp_path / "profile"
     script = os.path.join(HERE, "recast.py")

@@ -53,41 +53,73 @@ def startup_timeout() -> datetime.timedelta:
     return _seconds("RECAST_STARTUP_TIMEOUT", STARTUP_TIMEOUT)
 
 
-def start_training() -> None:
-    """From here on every collective waits collective_timeout, no longer startup_timeout: called
-    once the models are loaded and the base model evaluated. torch sets a process group's timeout
-    when it is made (init_process_group(timeout=...); a group made later without one, as a 2-D
-    mesh's may be, takes torch's default: 10 min on nccl, 30 on gloo), and this sets the loop's on
-    every group. torch.distributed.distributed_c10d._set_pg_timeout changes it for the
-    collectives issued after the call, on gloo (ProcessGroupGloo's options and contexts; measured:
-    a 2 s timeout set after a 60 s one ends a wait after 2.0 s, and the reverse waits out a 6 s
-    late rank) and on nccl (ProcessGroupNCCL's options, which each new work's watchdog deadline
-    reads: from torch's code, not run here). It is private: if a torch lacks it, the loop keeps the
-    start-up timeout, with a note."""
-    global _timeout_variable
-    if not dist.is_initialized():
-        return
-    c10d, timeout = dist.distributed_c10d, collective_timeout()
+def _set_timeout(timeout: datetime.timedelta) -> bool:
+    """Set `timeout` on every process group this rank is in (the default group, and any other: a
+    2-D mesh's); False where this torch cannot. torch sets a group's timeout when it is made
+    (init_process_group(timeout=...)); a group made later without one, as init_device_mesh makes
+    a 2-D mesh's, takes torch's default: 10 min on nccl, 30 on gloo.
+    torch.distributed.distributed_c10d._set_pg_timeout changes it for the collectives issued
+    after the call, on gloo (ProcessGroupGloo's options and contexts; measured: a 2 s timeout set
+    after a 60 s one ends a wait after 2.0 s, and the reverse waits out a 6 s late rank) and on
+    nccl (ProcessGroupNCCL's options, which each new work's watchdog deadline reads: from torch's
+    code, not run here). It is private: if a torch lacks it, the groups keep theirs."""
+    c10d = dist.distributed_c10d
     try:
         groups = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
-        for group in groups:  # the default group, and any other (a 2-D mesh's)
+        for group in groups:
             c10d._set_pg_timeout(timeout, group)
     except AttributeError as e:
         if dist.get_rank() == 0:
-            print(f"note: this torch cannot change a process group's timeout ({e}): the loop's "
-                  f"collectives keep RECAST_STARTUP_TIMEOUT ({startup_timeout().total_seconds():g}"
-                  " s)")  # fmt: skip
-        return
-    _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
+            print(f"note: this torch cannot change a process group's timeout ({e}): a group "
+                  "keeps the timeout it was made with")  # fmt: skip
+        return False
+    return True
+
+
+def start_training() -> None:
+    """From here on every collective waits collective_timeout, no longer startup_timeout: called
+    once the models are loaded and the base model evaluated; every group takes the loop's
+    (_set_timeout). If this torch cannot change it, the loop keeps the start-up timeout."""
+    global _timeout_variable
+    if dist.is_initialized() and _set_timeout(collective_timeout()):
+        _timeout_variable = "RECAST_COLLECTIVE_TIMEOUT"
+
+
+# NCCL's own handling of a failed or timed-out collective, set where the environment does not:
+# docs/failure_modes.md#on-nccl says what each does and what a lost rank then looks like
+NCCL_ENVIRONMENT = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # the watchdog ends the process (torchrun's default)
+    "TORCH_NCCL_ENABLE_MONITORING": "1",  # needed for the dump below (torch's default)
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # the flight recorder: each group's last collectives
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # written by every rank when one times out
+}
+NCCL_DUMP = "/tmp/nccl_trace_rank_"  # torch's TORCH_NCCL_DEBUG_INFO_TEMP_FILE, a rank's suffixed
+
+
+def nccl_environment() -> dict[str, str]:
+    """Set NCCL_ENVIRONMENT's variables that are not set already (a value given wins); returns
+    what it set."""
+    unset = {k: v for k, v in NCCL_ENVIRONMENT.items() if k not in os.environ}
+    os.environ.update(unset)
+    return unset
 
 
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     """(rank, device), the process group started under torchrun with startup_timeout (the loop
-    runs with collective_timeout: start_training); seeds set per rank."""
+    runs with collective_timeout: start_training); seeds set per rank. On nccl its diagnostics
+    are on (nccl_environment), and rank 0 says what a lost rank will print and how to resume."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     if distributed:
         collective_timeout()  # a bad value exits 2 now, not once the models are loaded
+        if use_cuda:
+            nccl_environment()  # read when the process group is made
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=startup_timeout())
+        if use_cuda and dist.get_rank() == 0:  # said now: a lost rank's message will be torch's
+            dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", NCCL_DUMP)
+            print(f"note: nccl: a collective that fails or times out ends every process from "
+                  f"NCCL's watchdog, with PyTorch's message (each rank's last collectives in "
+                  f"{dump}<rank>); the newest checkpoint is kept: continue with "
+                  f"{resume_command(args.out)} (docs/failure_modes.md#on-nccl)")  # fmt: skip
     rank = dist.get_rank() if distributed else 0
     device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:
@@ -207,6 +239,28 @@ def lost_rank_exits(run_dir: str):
         raise
 
 
+@contextmanager
+def gradient_sync(world, sync: bool):
+    """Within it, a backward reduces the gradients across the ranks only when `sync` (the last
+    micro-batch of an optimizer step); before it each rank adds its micro-batches' gradients into
+    its own, reduced with the last one's: one reduction a step instead of one a micro-batch
+    (--grad-accum). DDP: its no_sync() around the forward and backward; --shard (FSDP2):
+    set_requires_gradient_sync on every sharded model (the reduce-scatter, and across nodes the
+    all-reduce, skipped; the adapters' gradients held whole meanwhile). One process: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    policy = world.policy
+    if isinstance(policy, torch.nn.parallel.DistributedDataParallel) and not sync:
+        with policy.no_sync():
+            yield
+        return
+    shardable = getattr(world, "shardable", list)  # the toy world shards nothing
+    for module in shardable():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync)
+    yield
+
+
 # ---------------------------------------------------------------------------------------------
 # --shard: FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP
 # ---------------------------------------------------------------------------------------------
@@ -277,11 +331,17 @@ def shard_mesh(device: torch.device):
 
     nodes, local = node_layout()
     if nodes == 1:
-        return init_device_mesh(device.type, (local,))
-    if dist.get_rank() == 0:
-        print(f"note: --shard on {nodes} nodes of {local} ranks: each node shards the models "
-              "among its ranks, and the nodes hold replicas (HSDP)")  # fmt: skip
-    return init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (local,))
+    else:
+        if dist.get_rank() == 0:
+            print(f"note: --shard on {nodes} nodes of {local} ranks: each node shards the models "
+                  "among its ranks, and the nodes hold replicas (HSDP)")  # fmt: skip
+        mesh = init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+    # a group the mesh made has torch's default timeout (10 min on nccl), and the base model's
+    # evaluation and a resume's first collectives run on it: the start-up's, as every group's
+    if _timeout_variable == "RECAST_STARTUP_TIMEOUT":
+        _set_timeout(startup_timeout())
+    return mesh
 
 
 def shard_models(
@@ -360,10 +420,14 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sh
 
 
 def load_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
-    """optimizer_state's inverse: every rank reads the whole state and keeps its shard."""
+    """optimizer_state's inverse: every rank reads the whole state and keeps its shard. A trained
+    parameter without state stays without, as optimizer.load_state_dict leaves it: AdamW makes a
+    parameter's state at its first gradient, and some never get one (Qwen-Image's last block
+    discards its text stream, so that block's text-side adapters have no gradient), which
+    strict=True (torch's default here) refuses."""
     if not sharded:
         return optimizer.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)

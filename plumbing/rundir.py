@@ -168,11 +168,12 @@ def check_same_checkpoint(out: str, ckpt, history: list[dict], rank: int) -> Non
         _fail_on_every_rank("--resume", message, rank == 0 or rank in other)
 
 
-def start_or_resume(args, world, optimizer, rank: int, log=print):
+def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict | None = None):
     """A new run folder, or the run in args.out continued from its last good checkpoint (weights,
     optimizer, RNG, gain EMA). Returns (first epoch to run, optimizer steps, gain EMA, metrics
-    history); rank 0 locks the folder and (re)writes args.json and metrics.jsonl up to the
-    resumed epoch."""
+    history); rank 0 locks the folder and (re)writes args.json (the flags, and `resolved`: what
+    the run resolved at its start, e.g. its precision) and metrics.jsonl up to the resumed
+    epoch."""
     start, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = load_latest(args.out, log)
@@ -190,7 +191,7 @@ def start_or_resume(args, world, optimizer, rank: int, log=print):
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup
-        write_json_atomic(os.path.join(args.out, "args.json"), asdict(args))
+        write_json_atomic(os.path.join(args.out, "args.json"), {**asdict(args), **(resolved or {})})
         rewrite_metrics(args.out, history)
         keep_environment(args.out, log)
     return start, opt_steps, gains_ema, history

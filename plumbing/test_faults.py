@@ -400,11 +400,78 @@ def test_the_two_timeouts_come_from_their_variables_and_a_bad_one_exits_2(monkey
     assert distributed.collective_timeout().total_seconds() == 300
     monkeypatch.setenv("RECAST_STARTUP_TIMEOUT", "3600")
     assert distributed.startup_timeout().total_seconds() == 3600
-    for bad in ("soon", "0", "inf"):
-        monkeypatch.setenv("RECAST_STARTUP_TIMEOUT", bad)
-        with pytest.raises(SystemExit) as e:
-            distributed.startup_timeout()
-        assert e.value.code == 2 and "error: RECAST_STARTUP_TIMEOUT" in capsys.readouterr().err
+    for name, read in (("RECAST_STARTUP_TIMEOUT", distributed.startup_timeout),
+                       ("RECAST_COLLECTIVE_TIMEOUT", distributed.collective_timeout)):  # fmt: skip
+        for bad in ("soon", "0", "-5", "inf", "nan", ""):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(SystemExit) as e:
+                read()
+            assert e.value.code == 2 and f"error: {name}" in capsys.readouterr().err, (name, bad)
+        monkeypatch.delenv(name)
+
+
+def test_nccl_diagnostics_are_set_where_the_environment_does_not(monkeypatch):
+    """On nccl the watchdog's teardown, its monitoring, the flight recorder and its dump on a
+    timeout are on unless the environment says otherwise: a variable already set is kept."""
+    from plumbing import distributed
+
+    for name in distributed.NCCL_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    set_now = distributed.nccl_environment()
+    assert set_now == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert all(os.environ[k] == v for k, v in set_now.items())
+    assert distributed.nccl_environment() == {}  # all set now: nothing more
+
+
+def _timeouts_worker(rank: int, world: int, port: int, per_node: int, results) -> None:
+    """One of `world` gloo ranks, numbered as torchrun numbers `per_node` ranks a node: the
+    seconds each of its process groups would wait after init_processes and --shard's mesh, and
+    after start_training."""
+    from types import SimpleNamespace
+
+    from plumbing import distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
+                      LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node),
+                      RECAST_STARTUP_TIMEOUT="77", RECAST_COLLECTIVE_TIMEOUT="11")  # fmt: skip
+    import torch.distributed as dist
+
+    def held() -> list[float]:  # each group's, as its gloo backend holds it
+        c10d, cpu = dist.distributed_c10d, torch.device("cpu")
+        groups = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
+        return [g._get_backend(cpu).options._timeout.total_seconds() for g in groups]
+
+    try:
+        distributed.init_processes(SimpleNamespace(device="cpu", seed=0), distributed=True)
+        distributed.shard_mesh(torch.device("cpu"))
+        before = held()
+        distributed.start_training()
+        results.put((rank, {"startup": before, "loop": held()}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_group_waits_the_startup_timeout_then_the_loops(tmp_path, nodes):
+    """Under --shard, every process group a rank is in, the default one and the mesh's (HSDP's
+    2-D mesh on 2 nodes of 2 ranks: init_device_mesh makes its groups with torch's default
+    timeout, 30 min on gloo), waits RECAST_STARTUP_TIMEOUT until training starts and
+    RECAST_COLLECTIVE_TIMEOUT after (4 gloo ranks)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_timeouts_worker, args=(4, port, 4 // nodes, results), nprocs=4)
+    said = dict(results.get() for _ in range(4))
+    for rank, x in said.items():
+        assert len(x["startup"]) == (3 if nodes == 2 else 1) == len(x["loop"]), (rank, x)
+        assert set(x["startup"]) == {77.0} and set(x["loop"]) == {11.0}, (rank, x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ pipelines modelzoo builds (random weights, nothing downloaded):
   fp32 gradients, and the timestep reaches the transformer in fp32 (seconds);
 - loading: the models built on meta, sharded, and read by rank 0 and broadcast equal the models
   loaded whole in every family, and no rank's host holds a whole copy (slow);
+- Qwen-Image trains one epoch sharded and resumes to the numbers of an unbroken run (slow);
 - 4 ranks posing as 2 nodes of 2 take HSDP's 2-D mesh and equal one flat mesh (slow);
 - `torchrun --nproc-per-node 1 recast.py --shard` trains two epochs (slow; on CUDA in
   benchmarks/gpu_check.py).
@@ -229,6 +230,129 @@ def test_a_dead_rank_ends_a_sharded_run_in_seconds(models, tmp_path):
     assert f"recast.py --out {out} --resume" in said
 
 
+@pytest.mark.slow
+def test_qwen_image_trains_and_resumes_sharded(models, tmp_path):
+    """Qwen-Image under --shard (its rotary tables, plain tensor attributes, given rank 0's values
+    on every rank): one epoch, then --resume to two, equals two epochs without a stop, bit for
+    bit (weights and metrics), and the adapters train."""
+    torch.manual_seed(0)
+    models = {**models, "qwen-image": modelzoo.tiny_family("qwen-image", tmp_path / "qwen")}
+    flags = flags_of(models, "qwen-image", "--shard")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run2(models, whole, *flags, "--epochs", "2")
+    run2(models, part, *flags, "--epochs", "1")
+    run2(models, part, "--resume", "--epochs", "2")
+    x, y = lora(part, 2), lora(whole, 2)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in y)
+    assert max(y[k].abs().max().item() for k in y if "lora_B.default" in k) > 1e-3  # trained
+    assert [m["epoch"] for m in metrics_of(part)] == [0, 1, 2]
+    common = lambda m, n: {k: v for k, v in numbers(m).items() if k in n}  # noqa: E731
+    for a, b in zip(metrics_of(part), metrics_of(whole), strict=True):
+        assert common(a, b) == common(b, a)
+
+
+def _gradient_worker(rank: int, world: int, port: int, flags: list[str], said: str) -> None:
+    """recast.nft_update on fixed images, r and W, on one of `world` gloo ranks (world 1: one
+    process, no process group): the whole gradient each optimizer step receives (after DDP's
+    all-reduce or FSDP2's reduce-scatter, gathered whole), and the loss it returns, saved in
+    the file `said` + rank (a queue's pipe would block on them until the parent reads it)."""
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    import harness
+    import recast
+
+    run = harness.setup(recast.Args, flags, "")
+    args, world_ = run.args, run.world
+    grads, step = [], run.optimizer.step
+
+    def recorded(*a, **k):  # each step's gradient, whole, before AdamW moves the weights
+        whole = [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in run.params]
+        grads.append([g.detach().double().clone() for g in whole])
+        return step(*a, **k)
+
+    run.optimizer.step = recorded
+    gen = torch.Generator().manual_seed(5)
+    N, K, T = args.prompts * args.group_size, len(run.names), args.steps
+    x0 = torch.randn(N, *world_.latent_shape, generator=gen)
+    r = torch.rand(K, N, generator=gen)
+    W = torch.rand(K, T, generator=gen) + 0.1
+    loss, steps = recast.nft_update(run, 1, world_.train_prompts[: args.prompts], x0, r, W, 0)
+    torch.save({"grads": grads, "loss": loss.item(), "steps": steps}, f"{said}{rank}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def gradients(flags: list[str], world: int, out) -> dict:
+    """What _gradient_worker says on each of `world` processes, {rank: {...}}; `out`: the run
+    folder (--out)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    said = f"{out}.rank"
+    mp.spawn(_gradient_worker, args=(world, port, [*flags, "--out", str(out)], said), nprocs=world)
+    return {rank: torch.load(f"{said}{rank}") for rank in range(world)}
+
+
+# (--train-frac, --grad-accum) of 18 pairs (2 prompts × G 3 × T 3) in micro-batches of 4, split in
+# halves between 2 ranks: 9 pairs (4, 4, 1: the last one's pair on rank 1, none on rank 0), in
+# one step and in one step a micro-batch; 7 pairs (4, 3: 1 and 2) in one step
+UNEVEN = [("0.5", "3"), ("0.5", "1"), ("0.39", "2")]
+
+
+@pytest.mark.parametrize(("frac", "accum"), UNEVEN)
+def test_uneven_shares_give_the_single_process_gradient_under_ddp(tmp_path, frac, accum):
+    """Each rank's loss is the sum over its pairs over the step's count of pairs, so the ranks'
+    gradients add up to one process's on any split (G·T odd, a rank one pair short, a rank with
+    none: it joins DDP's all-reduce with a zero gradient): every step's gradient and the loss
+    within fp32 rounding of the same update in one process (2 gloo ranks, the toy world)."""
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", "--prompts", "2", "--group-size", "3", "--steps",
+             "3", "--batch-size", "4", "--train-frac", frac, "--grad-accum", accum,
+             "--grad-clip", "1e9", "--device", "cpu"]  # fmt: skip
+    one = gradients(flags, 1, tmp_path / "one")[0]
+    two = gradients(flags, 2, tmp_path / "two")
+    assert one["steps"] == (1 if accum != "1" else 3)
+    for rank, x in two.items():
+        assert x["steps"] == one["steps"] and len(x["grads"]) == one["steps"], rank
+        for got_step, want_step in zip(x["grads"], one["grads"], strict=True):
+            scale = max(g.abs().max().item() for g in want_step)  # the step's largest element
+            assert scale > 0
+            for got, want in zip(got_step, want_step, strict=True):
+                assert (got - want).abs().max().item() <= 1e-5 * scale, rank
+        assert x["loss"] == pytest.approx(one["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("frac", "accum"), [("0.75", "3"), ("0.58", "2")])
+def test_uneven_shares_give_the_single_process_gradient_sharded(models, tmp_path, monkeypatch,
+                                                                frac, accum):  # fmt: skip
+    """As under DDP (above), under --shard: 12 pairs of the tiny SD3 (2 prompts × G 2 × T 3) in
+    micro-batches of 4, 9 of them (4, 4, 1: a rank with none runs its stand-in forwards, FSDP2's
+    all-gathers, and joins the reduce-scatter) or 7 (4, 3) in one step: the gradient gathered
+    whole equals one unsharded process's within fp32 rounding: 1e-4 of the largest element
+    (measured: 1.1e-5; each rank's forwards run on its own batch shapes and the shards reduce in
+    another order; the mean of means the loss was is off by 3e-2 in the DDP test above)."""
+    for k, v in models["env"].items():
+        monkeypatch.setenv(k, v)
+    flags = flags_of(models, "sd3", "--train-frac", frac, "--grad-accum", accum, "--grad-clip",
+                     "1e9")  # fmt: skip
+    one = gradients(flags, 1, tmp_path / "one")[0]
+    two = gradients([*flags, "--shard"], 2, tmp_path / "two")
+    assert one["steps"] == 1
+    for rank, x in two.items():
+        assert x["steps"] == 1 and len(x["grads"]) == 1, rank
+        scale = max(g.abs().max().item() for g in one["grads"][0])
+        assert scale > 0
+        for got, want in zip(x["grads"][0], one["grads"][0], strict=True):
+            assert (got - want).abs().max().item() <= 1e-4 * scale, rank
+        assert x["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
 def nodes(models, out, *flags, n: int = 2, per_node: int = 2) -> str:
     """One torchrun launcher per node, as on a cluster (static rendezvous at node 0's address),
     all on this machine and sharing the run folder; node 0's output."""
@@ -363,6 +487,12 @@ class HostPeak:
         self.hwm = _rss("VmHWM") - self.base_rss
 
 
+def _attributes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's plain tensor attributes (neither parameters nor buffers), by module.name."""
+    return {f"{owner}.{k}": v for owner, m in model.named_modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor)}  # fmt: skip
+
+
 def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
     """One of 2 gloo ranks: --shard's loading (meta models, sharded, rank 0 reading and
     broadcasting), its host memory, then each model's whole state gathered and, on rank 0,
@@ -395,6 +525,7 @@ def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
         options = dsd.StateDictOptions(full_state_dict=True)
         sharded = [dsd.get_model_state_dict(m, options=options) for m in world.shardable()]
         sharded_buffers = [dict(m.named_buffers()) for m in world.shardable()]
+        attributes = [_attributes(m) for m in world.shardable()]
         args.shard = False
         whole = families.load(args, cpu)  # as without --shard
         models = whole.shardable()
@@ -406,6 +537,10 @@ def _load_worker(rank: int, init_file: str, flags: list[str], results) -> None:
                          if k not in sd or not torch.equal(sd[k], t)]  # fmt: skip
         out["buffers_differ"] = [k for _, b, m in pairs for k, t in m.named_buffers()
                                  if not torch.equal(b[k], t)]  # fmt: skip
+        out["attributes_differ"] = [k for a, m in zip(attributes, models, strict=True)
+                                    for k, t in _attributes(m).items()
+                                    if k not in a or not torch.equal(a[k], t)]  # fmt: skip
+        out["attributes"] = sum(len(a) for a in attributes)
         out["adapters"] = len(whole.lora)
         out["trained"] = sorted({str(p.dtype) for p in world.trainable.parameters()
                                  if p.requires_grad})  # fmt: skip
@@ -435,9 +570,10 @@ def sharded_load(models, tmp_path, variant: str, folder=None, *more: str) -> dic
 def test_sharded_loading_gives_the_weights_loaded_whole(models, tmp_path, variant):
     """--shard builds the transformer and the text encoders on the meta device, shards them, and
     loads them with rank 0 reading each model and broadcasting it: gathered back whole, every
-    weight, both adapters (drawn from --seed as without --shard) and every buffer (CLIP's position
-    ids, rotary frequencies) equal the models loaded whole as without --shard, bit for bit, in
-    every family (T5, Qwen2.5-VL and Qwen3 text encoders among them)."""
+    weight, both adapters (drawn from --seed as without --shard), every buffer (CLIP's position
+    ids, rotary frequencies) and every plain tensor attribute (Qwen-Image's rotary tables) equal
+    the models loaded whole as without --shard, bit for bit, in every family (T5, Qwen2.5-VL and
+    Qwen3 text encoders among them)."""
     folder = None
     if variant not in models:
         torch.manual_seed(0)
@@ -448,6 +584,8 @@ def test_sharded_loading_gives_the_weights_loaded_whole(models, tmp_path, varian
         assert x["trained"] == ["torch.float32"] and x["adapters"] > 0
     x = said[0]
     assert all(x["names"]) and x["differ"] == [] and x["buffers_differ"] == [], x
+    assert x["attributes_differ"] == [], x["attributes_differ"]
+    assert x["attributes"] == (2 if variant == "qwen-image" else 0)  # pos_freqs, neg_freqs
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from model_index.json) is a module that says how its family differs, and nothing
     PIPELINE, NAME            the diffusers pipeline class it serves, and a name for messages
     LORA_TARGETS              the transformer's Linear layers that take adapters (name suffixes)
     ENCODE_CHUNK, DECODE_CHUNK  prompts per text-encoder forward, latents per VAE decode
+    UNUSED_ADAPTERS           whether some adapters never reach the velocity (no gradient)
     check(configs, args)      flags the family needs or refuses (BadInput), from the configs
     latent_shape(pipe, resolution)  one image's latents in the layout the transformer reads
     encode(pipe, prompts, device)   a tuple of (B, ...) tensors: the condition of each prompt
@@ -145,12 +146,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _like(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`whole` sharded as `t` is, when `t` is a DTensor (each rank keeps its shard)."""
+    """`whole` sharded as `t` is, when `t` is a DTensor: each rank cuts its shard from its own
+    copy (src_data_rank=None: no scatter from rank 0), for every rank holds the same whole
+    tensor (a resumed checkpoint, whose digest the ranks compared before loading it)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(t, DTensor):
         return whole
-    return distribute_tensor(whole.to(t.device_mesh.device_type), t.device_mesh, t.placements)
+    return distribute_tensor(whole.to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                             src_data_rank=None)  # fmt: skip
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -214,7 +218,9 @@ def _model_class(spec: list[str]):
 def skeleton(source: str, name: str, spec: list[str], dtype: torch.dtype) -> torch.nn.Module:
     """Component `name` of the pipeline in `source` built from its configuration on the meta
     device, in `dtype`, frozen: its modules, parameter names and shapes, no weight read and
-    nothing allocated (its buffers too are on meta: load_shards gives them rank 0's)."""
+    nothing allocated. Its other tensors are on meta too, the buffers and the plain tensor
+    attributes (Qwen-Image's rotary tables pos_freqs and neg_freqs, which QwenEmbedRope keeps
+    outside its buffers): load_shards gives each of them rank 0's value."""
     cls = _model_class(spec)
     with torch.device("meta"):
         if spec[0] == "diffusers":
@@ -227,11 +233,56 @@ def skeleton(source: str, name: str, spec: list[str], dtype: torch.dtype) -> tor
     return model.requires_grad_(False).eval()
 
 
+def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own tensors that are neither parameters nor buffers (plain attributes)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}
+
+
+def _own_tensors(module: torch.nn.Module):
+    """(kind, attribute, tensor) of every tensor a module holds itself: parameters, buffers and
+    plain tensor attributes."""
+    for kind, found in (("parameter", module._parameters), ("buffer", module._buffers),
+                        ("attribute", _tensor_attributes(module))):  # fmt: skip
+        for attr, t in found.items():
+            if t is not None:
+                yield kind, attr, t
+
+
+def left_on_meta(model: torch.nn.Module) -> list[str]:
+    """Each tensor of `model` still on the meta device, as "module.attribute (kind)": parameters
+    (a sharded one's local shard), buffers and plain tensor attributes, module by module."""
+    from torch.distributed.tensor import DTensor
+
+    found = []
+    for owner, module in model.named_modules():
+        for kind, attr, t in _own_tensors(module):
+            if (t.to_local() if isinstance(t, DTensor) else t).is_meta:
+                found.append(f"{owner + '.' if owner else ''}{attr} ({kind})")
+    return found
+
+
+def check_loaded(model: torch.nn.Module, name: str) -> None:
+    """Raise RuntimeError naming each module and attribute of `model` (pipeline component `name`)
+    left on the meta device after loading: its first forward would fail on it, far from here."""
+    found = left_on_meta(model)
+    if found:
+        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+        raise RuntimeError(f"{name}: {len(found)} tensors left on the meta device after loading, "
+                           f"without values: {', '.join(found[:5])}{more}")  # fmt: skip
+
+
 def read_whole(source: str, name: str, spec: list[str], dtype: torch.dtype) -> torch.nn.Module:
     """Component `name` read whole onto the host, as the pipeline's from_pretrained reads it."""
     cls = _model_class(spec)
     kind = "torch_dtype" if spec[0] == "diffusers" else "dtype"  # transformers ≥ 5 says dtype
     return cls.from_pretrained(source, subfolder=name, **{kind: dtype}).requires_grad_(False)
+
+
+def _non_parameters(model: torch.nn.Module) -> dict[tuple[str, str, str], torch.Tensor]:
+    """{(module, "buffer" or "attribute", attribute): tensor on the host} of `model`: what
+    set_model_state_dict does not give a skeleton (non-persistent buffers, plain attributes)."""
+    return {(owner, kind, attr): t.detach().cpu() for owner, module in model.named_modules()
+            for kind, attr, t in _own_tensors(module) if kind != "parameter"}  # fmt: skip
 
 
 class DiffusersWorld:
@@ -262,7 +313,8 @@ class DiffusersWorld:
         )
         self._skeletons, self._source = {}, None  # --shard's meta models, by component name
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
-        if pipe is None:
+        loaded = pipe is None  # not the planner's pipeline on meta
+        if loaded:
             source = hub.locate(args.model, "--model", "model_index.json")  # fails fast offline
             configs = read_configs(source)
             family.check(configs, args)  # before a weight is loaded
@@ -303,6 +355,15 @@ class DiffusersWorld:
         if "transformer" not in self._skeletons:
             transformer = transformer.to(device)
         self.transformer = self.trainable = self.policy = transformer
+        self.unused_adapters = family.UNUSED_ADAPTERS  # DDP must look for them (harness.setup)
+        if self._source is None and loaded:  # read whole here (--shard's: once load_shards ran)
+            for name, model in (("transformer", transformer), *self._encoders()):
+                check_loaded(model, name)
+
+    def _encoders(self) -> list[tuple[str, torch.nn.Module]]:
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        found = [(n, getattr(self.pipe, n, None)) for n in names]
+        return [(n, e) for n, e in found if e is not None]  # T5 may have been left out
 
     def load_shards(self) -> None:
         """Under --shard, once distributed.shard_models has sharded the meta models (every rank
@@ -311,10 +372,12 @@ class DiffusersWorld:
         of add_adapters, drawn as under DDP) and broadcasts it, tensor by tensor, each rank keeping
         its shards (torch.distributed.checkpoint's set_model_state_dict, full_state_dict and
         broadcast_from_rank0), then its buffers (those outside the state dict too: rotary
-        frequencies, position ids); rank 0 drops the whole copy before reading the next. Rank 0's
-        host thus holds one model whole at a time, every other rank's only its shards, and no
+        frequencies, position ids) and plain tensor attributes (Qwen-Image's rotary tables, on
+        the host as when loaded whole); rank 0 drops the whole copy before reading the next. Rank
+        0's host thus holds one model whole at a time, every other rank's only its shards, and no
         GPU more than its shards and one tensor; then the VAE goes to the device (read with the
-        pipeline, small). Without --shard's meta models: nothing to do."""
+        pipeline, small). Every model is then checked for a tensor left on meta (check_loaded).
+        Without --shard's meta models: nothing to do."""
         if not self._skeletons:
             return
         import torch.distributed as dist
@@ -329,12 +392,16 @@ class DiffusersWorld:
             if rank0 and name == "transformer":
                 add_adapters(whole, self.args, self.family)
             set_model_state_dict(model, whole.state_dict() if rank0 else {}, options=options)
-            buffers = [{k: b.cpu() for k, b in whole.named_buffers()} if rank0 else None]
-            dist.broadcast_object_list(buffers, src=0)
-            for k, b in buffers[0].items():
-                owner, _, attr = k.rpartition(".")
-                model.get_submodule(owner)._buffers[attr] = b.to(self.device)
+            others = [_non_parameters(whole) if rank0 else None]
+            dist.broadcast_object_list(others, src=0)
+            for (owner, kind, attr), t in others[0].items():
+                module = model.get_submodule(owner)
+                if kind == "buffer":
+                    module._buffers[attr] = t.to(self.device)
+                else:  # a plain attribute stays where loading whole leaves it: on the host
+                    setattr(module, attr, t)
             del whole
+            check_loaded(model, name)
         self.pipe.vae.to(self.device, torch.float32)
 
     @property
@@ -353,9 +420,7 @@ class DiffusersWorld:
     def shardable(self) -> list[torch.nn.Module]:
         """What `recast.py --shard` shards layer by layer across the ranks (FSDP2): the
         transformer (its base weights and both adapters) and the text encoders (docs/models.md)."""
-        encoders = [getattr(self.pipe, n, None) for n in ("text_encoder", "text_encoder_2",
-                                                            "text_encoder_3")]  # fmt: skip
-        return [self.transformer, *[e for e in encoders if e is not None]]
+        return [self.transformer, *[e for _, e in self._encoders()]]
 
     def sigmas(self, steps: int) -> torch.Tensor:
         """t_0 = 1 > … > t_T = 0: the family's schedule, from the pipeline's scheduler (§1)."""

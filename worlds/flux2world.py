@@ -36,6 +36,7 @@ LORA_TARGETS = [
 MAX_SEQUENCE_LENGTH = 512  # Qwen3 tokens per prompt: the pipeline's default
 DECODE_CHUNK = 8
 ENCODE_CHUNK = 8
+UNUSED_ADAPTERS = False  # the text stream of the last double block feeds the single blocks
 
 
 def check(configs: dict, args) -> None:

@@ -33,6 +33,7 @@ LORA_TARGETS = [
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 DECODE_CHUNK = 8
 ENCODE_CHUNK = 8
+UNUSED_ADAPTERS = False  # the text stream of the last double block feeds the single blocks
 GUIDANCE = 3.5  # FLUX.1-dev's model card
 
 

@@ -32,6 +32,9 @@ LORA_TARGETS = [
 MAX_SEQUENCE_LENGTH = 1024  # prompt tokens after the template: the pipeline's limit
 DECODE_CHUNK = 4  # a video VAE: twice SD3's decoder activations per image
 ENCODE_CHUNK = 8
+# the last block's text-stream outputs are discarded (only the image stream reaches norm_out), so
+# its to_add_out and txt_mlp adapters never get a gradient
+UNUSED_ADAPTERS = True
 
 
 def check(configs: dict, args) -> None:

@@ -28,6 +28,7 @@ LORA_TARGETS = [
 MAX_SEQUENCE_LENGTH = 256  # T5 tokens per prompt: encode_prompt's default
 DECODE_CHUNK = 8  # latents per VAE decode: bounds the decoder's activations at 512-1024 px
 ENCODE_CHUNK = 8  # prompts per text-encoder forward: T5-XXL's activations don't grow with --prompts
+UNUSED_ADAPTERS = False  # every adapter reaches the velocity
 
 
 def check(configs: dict, args) -> None:

@@ -196,6 +196,35 @@ def test_flux2_klein_unpacks_as_the_pipeline_does_on_every_diffusers(tiny_dirs, 
     assert torch.equal(flux2world.unpack(z), world.pipe._unpack_latents_with_ids(z, ids))
 
 
+def test_a_tensor_left_on_meta_is_named_before_any_forward(tiny_dirs):
+    """diffusersworld.check_loaded names every tensor still on the meta device, module and
+    attribute, whether a parameter, a buffer or a plain attribute: a Qwen-Image transformer built
+    on meta (--shard's skeleton) names its rotary tables, which QwenEmbedRope keeps outside its
+    buffers; the same transformer read whole passes, and names the one table put back on meta."""
+    from worlds import diffusersworld
+
+    folder = tiny_dirs("qwen-image")
+    spec = diffusersworld.read_configs(folder)["pipeline"]["transformer"]
+    empty = diffusersworld.skeleton(folder, "transformer", spec, torch.float32)
+    found = diffusersworld.left_on_meta(empty)
+    assert "pos_embed.pos_freqs (attribute)" in found and "pos_embed.neg_freqs (attribute)" in found
+    assert "proj_out.weight (parameter)" in found
+    with pytest.raises(RuntimeError, match=r"transformer: \d+ tensors left on the meta device"):
+        diffusersworld.check_loaded(empty, "transformer")
+    whole = diffusersworld.read_whole(folder, "transformer", spec, torch.float32)
+    diffusersworld.check_loaded(whole, "transformer")  # nothing on meta: no error
+    whole.pos_embed.neg_freqs = whole.pos_embed.neg_freqs.to("meta")
+    with pytest.raises(RuntimeError) as e:
+        diffusersworld.check_loaded(whole, "transformer")
+    assert str(e.value).endswith("1 tensors left on the meta device after loading, without "
+                                 "values: pos_embed.neg_freqs (attribute)")  # fmt: skip
+    whole.register_buffer("lost", torch.empty(2, device="meta"))
+    assert diffusersworld.left_on_meta(whole) == [
+        "lost (buffer)",
+        "pos_embed.neg_freqs (attribute)",
+    ]
+
+
 def recast_exit(capsys, *flags) -> str:
     import recast
 
@@ -339,14 +368,16 @@ def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs,
 
 
 @pytest.mark.slow
-def test_torchrun_trains_flux_dev_in_step(tiny_dirs, prompts_file, reward_env, tmp_path):
-    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it)."""
+@pytest.mark.parametrize("variant", ["flux-dev", "qwen-image"])
+def test_torchrun_trains_in_step(variant, tiny_dirs, prompts_file, reward_env, tmp_path):
+    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it);
+    Qwen-Image's adapters without a gradient (UNUSED_ADAPTERS) do not stall DDP's reduction."""
     held_out = tmp_path / "held_out.txt"
     held_out.write_text("a purple cat\na purple boat\n")
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs("flux-dev"),
-        "--guidance", "3.5", "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
+    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs(variant),
+        *VARIANTS[variant][1], "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
         *RUN, "--epochs", "2", "--out", str(out), env=reward_env)  # fmt: skip
     lines = metrics_of(out)
     assert [m["epoch"] for m in lines] == [0, 1, 2]
