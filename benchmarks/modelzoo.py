@@ -284,7 +284,8 @@ def reward_models(spec: dict) -> dict[str, torch.nn.Module]:
     {"vision", "text"} (ImageReward's BlipVisionModel, BlipTextModel), "vlm" {"model"} (a
     Qwen2-VL-family model: Qwen2_5_VL when its vision config has out_hidden_size, else Qwen2VL),
     "clip" {"model"} (CLIPModel, clip_config)."""
-    import rewards
+    with torch.device("cpu"):  # its first import makes tensors, never on meta
+        import rewards
 
     kind, c = spec["kind"], spec["config"]
     if kind == "ocr":
