@@ -144,6 +144,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--cost-model", action="store_true",
                     help="print the FLOP cost model of the full-size configurations and ReCAST's "
                     "modelled share of an epoch, then exit (no device, nothing built)")  # fmt: skip
+    ap.add_argument("--reward-timing", action="store_true",
+                    help="time one scored image of each paper2 reward and judge that is not a "
+                    "CLIP (ocr, vqa, imagereward, hpsv3) at its real size with random weights, "
+                    "at 512 and 1024 px, and write OUT/reward_timing.md (needs a CUDA "
+                    "GPU)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.shrink and args.shrink not in SHRINKS:
         fail("--shrink", f"must be one of {', '.join(map(str, SHRINKS))} (every width is divided "
@@ -1285,6 +1290,73 @@ def print_paper2_costs(cf: dict, r512: dict, r1024: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# One scored image per reward, measured (--reward-timing)
+# ---------------------------------------------------------------------------------------------
+OCR_PROMPT = 'a wooden sign that says "COSMIC VIBES", beside a toaster'  # prompts/ocr_eval.txt
+
+
+def reward_timings(specs: dict, resolution: int, device, repeats: int = 5) -> dict:
+    """{reward: {"s": median seconds of one scored image, "gflop": its modelled GFLOP}} of each
+    reward configuration in `specs` (modelzoo.reward_config), built with random weights on
+    `device` (a VLM in bf16 on CUDA, as rewards.VLM loads it) and scored on one random image of
+    `resolution` px after a warm-up: "ocr" by rewards.ocr_scorer itself (the detector, the
+    components and boxes its random output gives, the recogniser on each), "blip" by
+    rewards.imagereward_scorer, "vlm" by the planner's forward at the image token count its
+    image processor makes (memory_plan.model_reward; rewards.VLM needs the model's own
+    tokenizer, which is not here). Each model is freed before the next is built."""
+    import statistics
+
+    import torch
+
+    import rewards
+    from benchmarks import memory_plan
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="reward_timing_") as tmp:
+        for name, spec in specs.items():
+            with torch.device(device):
+                fn, held = memory_plan.model_reward(spec, Path(tmp), device, device.type == "cuda")
+            if spec["kind"] == "ocr":
+                fn = rewards.ocr_scorer(rewards.TextReader(held[0], held[1], device))
+            image = torch.rand(1, 3, resolution, resolution, device=device) * 2 - 1
+            fn(image, [OCR_PROMPT])  # warm-up
+            times = []
+            for _ in range(repeats):
+                sync(device)
+                tic = time.perf_counter()
+                fn(image, [OCR_PROMPT])
+                sync(device)
+                times.append(time.perf_counter() - tic)
+            out[name] = {"s": statistics.median(times),
+                         "gflop": model_reward_flops(spec, resolution) / 1e9}  # fmt: skip
+            del fn, held, image
+            free_device_memory()
+    return out
+
+
+def write_reward_timing(out: Path, device) -> None:
+    """--reward-timing: reward_timings of paper2's model rewards and judges at 512 and 1024 px,
+    printed and written to OUT/reward_timing.md (with the device and software)."""
+    from benchmarks import modelzoo
+
+    specs = {n: modelzoo.reward_config(modelzoo.CONFIGS / f"{f}.json")
+             for n, f in modelzoo.REWARD_CONFIGS.items()}  # fmt: skip
+    rows = {res: reward_timings(specs, res, device) for res in (512, 1024)}
+    lines = [f"# One scored image per reward, random weights, on {device_name(device)}", "",
+             f"`python benchmarks/scale_check.py --reward-timing --out {out}`; "
+             + ", ".join(f"{k} {v}" for k, v in software().items()), "",
+             "| reward | px | ms | GFLOP (modelled) | TFLOP/s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for res, timed in rows.items():
+        for name, x in timed.items():
+            lines.append(f"| {name} | {res} | {1e3 * x['s']:.1f} | {x['gflop']:.1f} | "
+                         f"{x['gflop'] / 1e3 / x['s']:.1f} |")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reward_timing.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------
 # Model families: each family's transformer, VAE and text encoders at their real sizes
 # ---------------------------------------------------------------------------------------------
 FAMILY_NAMES = ("SD3.5-Medium", "FLUX.1-dev", "FLUX.1-schnell", "FLUX.2-klein 4B", "Qwen-Image")
@@ -1526,6 +1598,13 @@ def main(argv=None) -> None:
         return
     import torch
 
+    if args.reward_timing:
+        if not torch.cuda.is_available():
+            fail("--reward-timing", "times the reward models at their real size on a CUDA GPU "
+                 "and there is none here (its CPU path is tested on tiny configurations: "
+                 "benchmarks/test_scale_check.py)")  # fmt: skip
+        write_reward_timing(Path(args.out), torch.device("cuda"))
+        return
     if not args.shrink and not torch.cuda.is_available():
         fail("--shrink", "the full-size check needs a CUDA GPU and there is none here; on the CPU "
              "run the scaled-down check instead, e.g. --shrink 16")  # fmt: skip
