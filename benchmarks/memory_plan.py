@@ -8,11 +8,16 @@
     python benchmarks/memory_plan.py --model flux1-dev --guidance 3.5 --world-size 8 --shard
     python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
     python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
+    python benchmarks/memory_plan.py --rewards paper2 --lambda 0.4,0.2,0.2,0.2 \
+        --judges paper2-judges                                 # two 7B VLMs: docs/sd35.md's paper2
 
 Every model of the run is built at its real size on the meta device (nothing is downloaded or
 allocated): the transformer with its two LoRA adapters (diffusersworld.DiffusersWorld itself with
-the family's part, handed the pipeline), the VAE, the text encoders, and each reward model. They
-come from the configurations in benchmarks/configs (the `paper1` rewards; without `--model`,
+the family's part, handed the pipeline), the VAE, the text encoders, and each reward and
+--judges model (a judge runs at eval). They come from the configurations in benchmarks/configs
+(the CLIP rewards; ocr, vqa,
+imagereward and hpsv3, modelzoo.REWARD_CONFIGS, the VLMs at the image token counts their image
+processors make; a reward a user registered, from `--reward-config NAME=FILE`; without `--model`,
 SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size with generated
 tokenizers) or from a pipeline folder's configurations, and the training flags default to
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
@@ -770,6 +775,11 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
         scorers, reward_held = reward_models([*own.names, *own.judges], c, tmp / "tokenizers",
                                              device, own.specs, cuda_form, replay)  # fmt: skip
         reward_fns = {n: scorers[n] for n in own.names}  # the judges score at eval only
+        judge_bytes = 0  # what the judges alone hold (a judge may share a reward's CLIP)
+        if own.judges and device == "meta":
+            trained = reward_models(own.names, c, tmp / "tokenizers", device, own.specs,
+                                    cuda_form)[1]  # fmt: skip
+            judge_bytes = held_bytes(reward_held) - held_bytes(trained)
         family = families.PARTS[type(pipe).__name__]
         world = diffusersworld.DiffusersWorld(args, torch.device(device), family, pipe=pipe)
     form = replay.form
@@ -789,7 +799,7 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     return {"args": args, "world": Autocasting(world, form), "form": form, "ws": own.world_size,
             "reward_fns": reward_fns, "scorers": scorers, "params": params, "opt": optimizer,
             "nft_loss": nft_loss if cuda_form else reference_nft_loss,
-            "sigmas": world.sigmas(args.steps), "replay": replay,
+            "sigmas": world.sigmas(args.steps), "replay": replay, "judge_bytes": judge_bytes,
             "held": [world.transformer, pipe.vae,
             *encoders, *reward_held], "shardable": world.shardable()}  # fmt: skip
 
@@ -819,6 +829,12 @@ def _bytes(module: torch.nn.Module, share=None) -> float:
     """A model's parameters and buffers, whole or (`share`) this rank's shards of them."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() * (share(t) if share else 1) for t in tensors)
+
+
+def held_bytes(held: list) -> int:
+    """The bytes of reward_models' models and tensors."""
+    return sum(_bytes(h) if isinstance(h, torch.nn.Module) else h.numel() * h.element_size()
+               for h in held)  # fmt: skip
 
 
 def load_phase(run: dict, own) -> dict:
@@ -863,7 +879,7 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = make_run(own, args, "meta", c, tmp, cpu_form)
-    load = load_phase(run, own)
+    load = {**load_phase(run, own), "judges": run["judge_bytes"]}
     tracker = memtrace.StorageTracker(
         "meta", 1 if cpu_form else memtrace.CUDA_ROUND, conv_workspace=not cpu_form
     )  # cuDNN's: the GPU's form
@@ -1036,6 +1052,13 @@ def lines(report: dict) -> list[str]:
         L.append(f"host memory while loading: {x['host_node'] / GIB:.2f} GiB on rank 0's node of "
                  f"{local} ranks (rank 0 {x['host_rank0'] / GIB:.2f}, each other rank "
                  f"{x['host_rank'] / GIB:.2f})")  # fmt: skip
+    judges = report["peaks"].get("load", {}).get("judges", 0) / GIB
+    if not v["fits"] and judges:  # the judges' weights are held in every phase, from loading on
+        peak = v["peak_gib"] - judges
+        need = peak * (1 + FRAGMENTATION) + CONTEXT_GIB + WORKSPACE_GIB
+        L.append(f"  without --judges (their models hold {judges:.2f} GiB in every phase): peak "
+                 f"at most {peak:.2f} GiB, needs at most {need:.2f} GiB: "
+                 f"{'fits' if need <= v['gpu_gib'] else 'does not fit'}")  # fmt: skip
     for alt in report.get("alternatives", []):
         w = alt["verdict"]
         fits = "fits" if w["fits"] else "does not fit"

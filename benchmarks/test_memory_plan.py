@@ -382,6 +382,7 @@ def test_every_model_reward_and_judge_is_planned_from_its_configuration(tiny):
     head_bytes = sum(4 * (i * o + o) for w in heads for i, o in zip(w, w[1:], strict=False))
     expected = sum(mp._bytes(m) for m in [*judges[0].values(), hpsv3]) + head_bytes
     assert judged["peaks"]["load"]["parameters"] - base["peaks"]["load"]["parameters"] == expected
+    assert judged["peaks"]["load"]["judges"] == expected  # what leaving --judges out would free
     assert judged["judges"] == ["imagereward", "hpsv3", "clipscore"]
     for phase in ("score", "recast", "eval"):
         assert base["peaks"][phase]["activations"] > 0, phase
