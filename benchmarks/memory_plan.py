@@ -384,9 +384,10 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
     """(the reward function, [its models and head tensors]) of a reward configuration
     (modelzoo.reward_config), its models frozen on the current device. Its GPU work, as rewards.py
     does it: "ocr" (rewards.ocr_scorer: the detector on each image at its own size, padded to 32
-    px, then the recogniser on boxes_per_image line boxes 64 px high and box_width wide; boxes
-    are found from the detector's values, which meta tensors do not have), "blip"
-    (rewards.imagereward_scorer itself, with a generated BERT tokenizer of 35 tokens), "vlm" (a
+    px, then the recogniser's convolutions on boxes_per_image line boxes line_height px high and
+    box_width wide; the boxes are found from the detector's values, which meta tensors do not
+    have, on the host), "blip" (rewards.imagereward_scorer itself, with a generated BERT
+    tokenizer: the token ids' values do not matter, only the 35 of them), "vlm" (a
     Qwen2-VL-family model on rewards.CHUNK images a forward at the token count the image
     processor makes of them, modelzoo.vlm_inputs: "output" "logits" asks for the answer's logits
     only, as rewards.vqa_scorer; "hidden", the last hidden states and the reward head, as
@@ -439,7 +440,8 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
         if cfg.get("output", "logits") == "logits":  # the answer's logits (rewards.vqa_scorer)
             logits = models["model"](**inputs, use_cache=False, logits_to_keep=2).logits
             return logits[:, :-1].float().log_softmax(-1)[:, 0, 0].exp()
-        hidden = models["model"].model(**inputs, use_cache=False).last_hidden_state[:, -3].float()
+        hidden = models["model"].model(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden[:, -3].float()  # at <|Reward|>, near the end of HPSv3's question
         for i, (w, b) in enumerate(head):  # rewards.hpsv3_scorer's head: μ
             hidden = F.linear(hidden, w, b)
             hidden = hidden if i == len(head) - 1 else F.relu(hidden)
