@@ -8,11 +8,16 @@
     python benchmarks/memory_plan.py --model flux1-dev --guidance 3.5 --world-size 8 --shard
     python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
     python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
+    python benchmarks/memory_plan.py --rewards paper2 --lambda 0.4,0.2,0.2,0.2 \
+        --judges paper2-judges                                 # two 7B VLMs: docs/sd35.md's paper2
 
 Every model of the run is built at its real size on the meta device (nothing is downloaded or
 allocated): the transformer with its two LoRA adapters (diffusersworld.DiffusersWorld itself with
-the family's part, handed the pipeline), the VAE, the text encoders, and each reward model. They
-come from the configurations in benchmarks/configs (the `paper1` rewards; without `--model`,
+the family's part, handed the pipeline), the VAE, the text encoders, and each reward and
+--judges model (a judge runs at eval). They come from the configurations in benchmarks/configs
+(the CLIP rewards; ocr, vqa,
+imagereward and hpsv3, modelzoo.REWARD_CONFIGS, the VLMs at the image token counts their image
+processors make; a reward a user registered, from `--reward-config NAME=FILE`; without `--model`,
 SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size with generated
 tokenizers) or from a pipeline folder's configurations, and the training flags default to
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
@@ -78,6 +83,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from anywhere
 
 import torch  # noqa: E402 (after the path)
+import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import harness  # noqa: E402
@@ -150,6 +156,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         help="also run the same calls on the CPU and compare with its allocator",
     )
     ap.add_argument("--json", default="", help="write the plan to this file")
+    ap.add_argument("--reward-config", action="append", default=[], metavar="NAME=FILE",
+                    help="plan reward or judge NAME with the model of FILE, a configuration "
+                    "file as benchmarks/configs holds them (\"kind\": clip, ocr, blip or vlm, "
+                    "and \"config\"; e.g. benchmarks/configs/vqa_qwen25vl7b.json); "
+                    "repeatable")  # fmt: skip
     argv = sys.argv[1:] if argv is None else list(argv)
     own, rest = ap.parse_known_args(argv)
     if own.help:
@@ -205,12 +216,36 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         fail(e.flag, str(e))
     if args.prompts_file == os.devnull:
         args.prompts_file = ""
-    unknown = [n for n in names if n not in BACKBONES]
-    if unknown:  # a reward registered in rewards.LOADERS by a user: its model is not known here
-        fail("--rewards", f"no model configuration for {', '.join(unknown)}: the planner knows "
-             f"{', '.join(BACKBONES)}")  # fmt: skip
+    own.specs = reward_specs(own.reward_config)
+    for flag, group in (("--rewards", names), ("--judges", judges)):
+        # a reward registered in rewards.LOADERS by a user: its model is not known here
+        unknown = [n for n in group if n not in BACKBONES and n not in own.specs]
+        if unknown:
+            example = modelzoo.CONFIGS / "vqa_qwen25vl7b.json"
+            fail(flag, f"no model configuration for {', '.join(unknown)}: the planner knows "
+                 f"{', '.join([*BACKBONES, *own.specs])}; give it one with --reward-config "
+                 f"{unknown[0]}=FILE.json, a file as benchmarks/configs holds them (\"kind\": "
+                 f"{', '.join(modelzoo.REWARD_KINDS)}; \"config\": the model's sizes; e.g. "
+                 f"{example.relative_to(ROOT)})")  # fmt: skip
     own.names, own.judges = names, judges
     return own, args
+
+
+def reward_specs(given: list[str]) -> dict:
+    """{reward: its configuration} of modelzoo.REWARD_CONFIGS, then of --reward-config NAME=FILE
+    (which may replace one: a 3B vqa model); a bad one exits 2 naming --reward-config."""
+    specs = {n: modelzoo.reward_config(modelzoo.CONFIGS / f"{f}.json")
+             for n, f in modelzoo.REWARD_CONFIGS.items()}  # fmt: skip
+    for item in given:
+        name, _, path = item.partition("=")
+        if not name or not path:
+            fail("--reward-config", f"takes NAME=FILE (a reward's name, its configuration "
+                 f"file), got {item!r}")  # fmt: skip
+        try:
+            specs[name] = modelzoo.reward_config(path)
+        except ValueError as e:
+            fail("--reward-config", f"{e}; see benchmarks/configs/vqa_qwen25vl7b.json")
+    return specs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,17 +302,25 @@ BACKBONES = {
 }
 
 
-def reward_models(names: list[str], c: dict, tokenizers: Path, device) -> tuple[dict, list]:
-    """({name: reward function}, [their models and tensors]) on the current device, fp32
-    and frozen as rewards.py loads them: each CLIP from the configuration of the folder its
-    RECAST_* variable names, else from benchmarks/configs; rewards on the same CLIP share it, as
-    rewards._clip does; the reward functions are rewards.py's own scorers."""
+def reward_models(names: list[str], c: dict, tokenizers: Path, device, specs: dict | None = None,
+                  gpu_form: bool = True, replay=None) -> tuple[dict, list]:  # fmt: skip
+    """({name: reward function}, [their models and tensors]) on the current device, frozen as
+    rewards.py loads them: each CLIP (fp32) from the configuration of the folder its RECAST_*
+    variable names, else from benchmarks/configs; rewards on the same CLIP share it, as
+    rewards._clip does; the reward functions are rewards.py's own scorers. A name of `specs`
+    (reward_specs: ocr, vqa, imagereward, hpsv3, --reward-config) is built from its configuration
+    (model_reward), a vision-language model in bf16 on a GPU (`gpu_form`) as rewards.VLM loads
+    it."""
     from transformers import AutoProcessor, CLIPConfig, CLIPModel, CLIPProcessor
 
     tok = modelzoo.clip_tokenizer(tokenizers / "reward_clip")
     images = modelzoo.reward_image_processor(c["reward_image_size"])
     models, fns, heads = {}, {}, []
     for name in names:
+        if name in (specs or {}):
+            fns[name], held = model_reward(specs[name], tokenizers, device, gpu_form, replay)
+            heads.append(held)
+            continue
         model_var, processor_var, key = BACKBONES[name]
         folder = os.environ.get(model_var or "", "")
         proc_folder = os.environ.get(processor_var or "", "")
@@ -303,7 +346,117 @@ def reward_models(names: list[str], c: dict, tokenizers: Path, device) -> tuple[
             fns[name] = rewards.aesthetic_scorer(clip, processor, head)
         else:
             fns[name] = hpsv2_device_work(clip, tok, c["reward_image_size"])
-    return fns, [m for m, _ in models.values()] + [t for pair in heads for t in pair]
+    return fns, [m for m, _ in models.values()] + [t for held in heads for t in held]
+
+
+class Replay:
+    """A reward model's forward on inputs of one shape, traced once on meta and replayed after:
+    a 7B vision-language model's trace takes seconds an image on this CPU (Qwen2.5-VL's vision
+    tower attends window by window), and a run scores hundreds. The first call of a key (the
+    inputs' shape and the form's autocast) runs and records how far the tracker's total rose
+    above where it started; a later call allocates and frees that many bytes, then returns
+    zeros of the output's shape. The forwards hold nothing once they return, so the peak is the
+    traced one. Off the meta trace (tracker None: the CPU check) every call runs."""
+
+    def __init__(self, form: memtrace.GpuForm):
+        self.form, self.tracker, self.seen = form, None, {}
+
+    def __call__(self, key: tuple, fn, *args) -> torch.Tensor:
+        t = self.tracker
+        if t is None:
+            return fn(*args)
+        key = (*key, self.form.autocast)
+        if key in self.seen:
+            rise, shape = self.seen[key]
+            temporary = torch.empty(rise, dtype=torch.uint8, device="meta")
+            del temporary
+            return torch.zeros(shape, device="meta")
+        start, saved = sum(t.live.values()), (t.peak, t.peak_split)
+        t.peak = start
+        out = fn(*args)
+        self.seen[key] = (t.peak - start, out.shape)
+        if saved[0] >= t.peak:
+            t.peak, t.peak_split = saved
+        return out
+
+
+def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=None) -> tuple:
+    """(the reward function, [its models and head tensors]) of a reward configuration
+    (modelzoo.reward_config), its models frozen on the current device. Its GPU work, as rewards.py
+    does it: "ocr" (rewards.ocr_scorer: the detector on each image at its own size, padded to 32
+    px, then the recogniser's convolutions on boxes_per_image line boxes line_height px high and
+    box_width wide; the boxes are found from the detector's values, which meta tensors do not
+    have, on the host), "blip" (rewards.imagereward_scorer itself, with a generated BERT
+    tokenizer: the token ids' values do not matter, only the 35 of them), "vlm" (a
+    Qwen2-VL-family model on rewards.CHUNK images a forward at the token count the image
+    processor makes of them, modelzoo.vlm_inputs: "output" "logits" asks for the answer's logits
+    only, as rewards.vqa_scorer; "hidden", the last hidden states and the reward head, as
+    rewards.hpsv3_scorer), "clip" (rewards.clipscore_scorer)."""
+    kind, cfg = spec["kind"], spec["config"]
+    replay = replay or (lambda key, fn, *args: fn(*args))
+    models = modelzoo.reward_models(spec)
+    for m in models.values():
+        m.eval().requires_grad_(False)
+    if kind == "vlm" and gpu_form:  # rewards.VLM: bf16 on a GPU
+        models["model"].to(torch.bfloat16)
+    widths = cfg.get("head", [])
+    head = [(torch.zeros(o, i, device=device), torch.zeros(o, device=device))
+            for i, o in zip(widths, widths[1:], strict=False)]  # fmt: skip
+    held = [*models.values(), *(t for pair in head for t in pair)]
+    if kind == "blip":
+        from transformers import BertTokenizer
+
+        folder = tokenizers / "bert"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
+        tokenizer = BertTokenizer(str(folder / "vocab.txt"))
+        return rewards.imagereward_scorer(models["vision"], models["text"], tokenizer, head), held
+    if kind == "clip":
+        from transformers import CLIPProcessor
+
+        processor = CLIPProcessor(image_processor=modelzoo.reward_image_processor(
+            cfg["vision_config"]["image_size"]), tokenizer=modelzoo.clip_tokenizer(
+            tokenizers / "reward_clip"))  # fmt: skip
+        processor.tokenizer.model_input_names = ["input_ids"]
+        return rewards.clipscore_scorer(models["model"], processor), held
+
+    def read(im: torch.Tensor) -> torch.Tensor:  # rewards.TextReader.read of one image
+        x = F.pad(im.float(), (0, -im.shape[-1] % 32, 0, -im.shape[-2] % 32))  # .boxes
+        models["detector"](x[None]).float()
+        line = torch.zeros(1, 1, cfg["line_height"], cfg["box_width"], device=im.device)
+        for _ in range(cfg["boxes_per_image"]):  # the recogniser's convolutions; its LSTMs
+            models["recogniser"].FeatureExtraction.ConvNet(line)  # hold < 1 MiB, and on meta
+        return torch.zeros((), device=im.device)  # they run step by step (5 s an image)
+
+    @torch.no_grad()
+    def ocr(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        rgb = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        for im in rgb:
+            replay(("ocr", *im.shape), read, im)
+        return torch.zeros(len(prompts), device=images.device)
+
+    def forward(n: int, height: int, width: int, device) -> torch.Tensor:
+        inputs = modelzoo.vlm_inputs(cfg, n, height, width, device)
+        if cfg.get("output", "logits") == "logits":  # the answer's logits (rewards.vqa_scorer)
+            logits = models["model"](**inputs, use_cache=False, logits_to_keep=2).logits
+            return logits[:, :-1].float().log_softmax(-1)[:, 0, 0].exp()
+        hidden = models["model"].model(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden[:, -3].float()  # at <|Reward|>, near the end of HPSv3's question
+        for i, (w, b) in enumerate(head):  # rewards.hpsv3_scorer's head: μ
+            hidden = F.linear(hidden, w, b)
+            hidden = hidden if i == len(head) - 1 else F.relu(hidden)
+        return hidden[:, 0]
+
+    @torch.no_grad()
+    def vlm(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        out, (height, width) = [], images.shape[-2:]
+        for s in range(0, len(prompts), rewards.CHUNK):
+            n = len(prompts[s : s + rewards.CHUNK])
+            out.append(replay(("vlm", id(spec), n, height, width), forward, n, height, width,
+                              images.device))  # fmt: skip
+        return torch.cat(out)
+
+    return (ocr if kind == "ocr" else vlm), held
 
 
 def aesthetic_head(c: dict, device) -> list:
@@ -620,10 +773,18 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
             for m in (pipe.transformer, *encoders):  # VAE fp32
                 if m is not None:
                     m.to(torch.bfloat16)
-        reward_fns, reward_held = reward_models(own.names, c, tmp / "tokenizers", device)
+        replay = Replay(memtrace.GpuForm("cuda" if cuda_form else "cpu"))
+        scorers, reward_held = reward_models([*own.names, *own.judges], c, tmp / "tokenizers",
+                                             device, own.specs, cuda_form, replay)  # fmt: skip
+        reward_fns = {n: scorers[n] for n in own.names}  # the judges score at eval only
+        judge_bytes = 0  # what the judges alone hold (a judge may share a reward's CLIP)
+        if own.judges and device == "meta":
+            trained = reward_models(own.names, c, tmp / "tokenizers", device, own.specs,
+                                    cuda_form)[1]  # fmt: skip
+            judge_bytes = held_bytes(reward_held) - held_bytes(trained)
         family = families.PARTS[type(pipe).__name__]
         world = diffusersworld.DiffusersWorld(args, torch.device(device), family, pipe=pipe)
-    form = memtrace.GpuForm("cuda" if cuda_form else "cpu")
+    form = replay.form
     if args.grad_checkpointing:  # the recomputation in backward takes the same form
         world.transformer.enable_gradient_checkpointing(form.checkpoint_function())
     if args.shard and device == "cpu":  # under the check's process group
@@ -638,9 +799,10 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"args": args, "world": Autocasting(world, form), "form": form, "ws": own.world_size,
-            "reward_fns": reward_fns, "scorers": reward_fns, "params": params, "opt": optimizer,
+            "reward_fns": reward_fns, "scorers": scorers, "params": params, "opt": optimizer,
             "nft_loss": nft_loss if cuda_form else reference_nft_loss,
-            "sigmas": world.sigmas(args.steps), "held": [world.transformer, pipe.vae,
+            "sigmas": world.sigmas(args.steps), "replay": replay, "judge_bytes": judge_bytes,
+            "held": [world.transformer, pipe.vae,
             *encoders, *reward_held], "shardable": world.shardable()}  # fmt: skip
 
 
@@ -669,6 +831,12 @@ def _bytes(module: torch.nn.Module, share=None) -> float:
     """A model's parameters and buffers, whole or (`share`) this rank's shards of them."""
     tensors = [*module.parameters(), *module.buffers()]
     return sum(t.numel() * t.element_size() * (share(t) if share else 1) for t in tensors)
+
+
+def held_bytes(held: list) -> int:
+    """The bytes of reward_models' models and tensors."""
+    return sum(_bytes(h) if isinstance(h, torch.nn.Module) else h.numel() * h.element_size()
+               for h in held)  # fmt: skip
 
 
 def load_phase(run: dict, own) -> dict:
@@ -713,7 +881,7 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run = make_run(own, args, "meta", c, tmp, cpu_form)
-    load = load_phase(run, own)
+    load = {**load_phase(run, own), "judges": run["judge_bytes"]}
     tracker = memtrace.StorageTracker(
         "meta", 1 if cpu_form else memtrace.CUDA_ROUND, conv_workspace=not cpu_form
     )  # cuDNN's: the GPU's form
@@ -730,6 +898,7 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
             tracker.add(held, "parameters")
     tracker.add_optimizer(run["opt"], share)
     hooks = tracker.watch_grads(run["params"], share)
+    run["replay"].tracker = tracker  # a reward's forward traced once a shape (Replay)
     marks = Marks(tracker)
     with tqdm(total=len(PHASES), desc=desc, leave=False) as bar, warnings.catch_warnings():
         # Shards' full backward hooks fire on a layer's outputs when none of its inputs needs a
@@ -858,13 +1027,15 @@ def lines(report: dict) -> list[str]:
     a, v = report["settings"], report["verdict"]
     unit, div = ("GiB", GIB) if v["peak_gib"] >= 1 else ("MiB", 2**20)
     guidance = f" --guidance {a['guidance']:g}" if a["guidance"] else ""
+    judges = f" --judges {','.join(report['judges'])}" if report.get("judges") else ""
     run = (f"--model {a['model']}{report['shrunk']} --resolution {a['resolution']} --steps "
            f"{a['steps']} --prompts {a['prompts']} --group-size {a['group_size']} --batch-size "
            f"{a['batch_size']} --grad-accum {a['grad_accum']} --lora-rank {a['lora_rank']}"
            f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''}"
            f"{' --shard' if a.get('shard') else ''} --rewards "
-           f"{','.join(report['rewards'])}{guidance} --kl-coef {a['kl_coef']:g} --gain-frac "
-           f"{a['gain_frac']:.4g} --score-precision {a['score_precision']}")  # fmt: skip
+           f"{','.join(report['rewards'])}{judges}{guidance} --kl-coef {a['kl_coef']:g} "
+           f"--gain-frac {a['gain_frac']:.4g} --score-precision "
+           f"{a['score_precision']}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
          f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
          f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",
@@ -883,6 +1054,13 @@ def lines(report: dict) -> list[str]:
         L.append(f"host memory while loading: {x['host_node'] / GIB:.2f} GiB on rank 0's node of "
                  f"{local} ranks (rank 0 {x['host_rank0'] / GIB:.2f}, each other rank "
                  f"{x['host_rank'] / GIB:.2f})")  # fmt: skip
+    judges = report["peaks"].get("load", {}).get("judges", 0) / GIB
+    if not v["fits"] and judges:  # the judges' weights are held in every phase, from loading on
+        peak = v["peak_gib"] - judges
+        need = peak * (1 + FRAGMENTATION) + CONTEXT_GIB + WORKSPACE_GIB
+        L.append(f"  without --judges (their models hold {judges:.2f} GiB in every phase): peak "
+                 f"at most {peak:.2f} GiB, needs at most {need:.2f} GiB: "
+                 f"{'fits' if need <= v['gpu_gib'] else 'does not fit'}")  # fmt: skip
     for alt in report.get("alternatives", []):
         w = alt["verdict"]
         fits = "fits" if w["fits"] else "does not fit"
@@ -910,6 +1088,7 @@ def main(argv: list[str] | None = None) -> None:
         prompt_files(args, Path(tmp), own.eval_prompts)
         peaks = plan(own, args, c, Path(tmp))
         report = {"settings": {k: v for k, v in vars(args).items()}, "rewards": own.names,
+                  "judges": own.judges,
                   "world_size": own.world_size,
                   "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
                   "verdict": verdict(peaks, own.gpu_memory),

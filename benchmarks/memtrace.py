@@ -18,7 +18,8 @@ nothing is allocated, so SD3.5-Medium's real-size models trace on a laptop.
 - host values: a small host tensor copied to the device (token ids, an attention mask) keeps its
   values beside its meta copy, and calls on such tensors compute them too, so that what reads a
   value on the host (`.item()`, `.tolist()`, `torch.equal`, a boolean mask as an index) gets it:
-  transformers' padding masks and Qwen-Image's prompt extraction read their masks so.
+  transformers' padding masks and Qwen-Image's prompt extraction read their masks so; an op with no
+  meta kernel for such inputs (repeat_interleave by counts) runs on the values, its output moved.
 
 Why not torch.distributed._tools.mem_tracker.MemTracker: in torch 2.13 it raises on frozen
 parameters (a grad hook on each) and on a root module called twice (world.v calls the transformer 3
@@ -264,7 +265,15 @@ class GpuForm(TorchFunctionMode):
             return func(*values[0], **values[1])
         if name == "__getitem__":  # a boolean mask with values: the indices it selects
             args = (args[0], *tree_map_only(torch.Tensor, _mask_indices, args[1:]))
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError):  # no meta kernel without the values
+            if values is None:  # (repeat_interleave's counts, a Qwen2-VL image grid's sizes)
+                raise
+            host = func(*values[0], **values[1])
+            out = tree_map_only(torch.Tensor, lambda h: h.to("meta"), host)
+            _keep_values(out, host)
+            return out
         if values is not None:
             _keep_values(out, func(*values[0], **values[1]))
         elif "device" in kwargs and isinstance(out, torch.Tensor) and out.device.type == "meta":

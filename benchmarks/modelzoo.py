@@ -12,6 +12,9 @@
 - Small generated tokenizers with the real sequence lengths: `clip_tokenizer` (one token per byte,
   77 tokens), `t5_tokenizer` (one token per printable character); `prompts` long enough to fill
   CLIP's 77 tokens with them.
+- The rewards that do not sit on CLIP (`ocr`, `vqa`, `imagereward`, `hpsv3`) at their real sizes,
+  one configuration file each (REWARD_CONFIGS): `reward_config`, `reward_models` to build them,
+  `vlm_inputs` for a vision-language model's inputs at the image token count it sees.
 - `tiny_sd3_pipeline`: the tiny SD3 pipeline (T5 left out) that the tests train.
 - `tiny_vlm`: a tiny random Qwen2.5-VL saved as a local model folder (weights, a generated
   byte-level tokenizer with the chat template, the image processor), for the VLM judge's tests
@@ -251,6 +254,93 @@ def reward_image_processor(size: int):
     return CLIPImageProcessor(
         size={"shortest_edge": size}, crop_size={"height": size, "width": size}
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rewards that do not sit on CLIP: one configuration file each (kind, config, source)
+# ---------------------------------------------------------------------------------------------
+REWARD_CONFIGS = {"ocr": "easyocr", "vqa": "vqa_qwen25vl7b", "imagereward": "imagereward_blip",
+                  "hpsv3": "hpsv3_qwen2vl7b"}  # fmt: skip
+REWARD_KINDS = ("clip", "ocr", "blip", "vlm")  # what a reward's configuration file may build
+
+
+def reward_config(path: str | os.PathLike) -> dict:
+    """A reward's configuration file as benchmarks/configs holds them: {"kind": one of
+    REWARD_KINDS, "config": its sizes, ...}; ValueError naming what is wrong."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(spec, dict) or spec.get("kind") not in REWARD_KINDS:
+        raise ValueError(f'{path}: needs "kind" (one of {", ".join(REWARD_KINDS)}) and "config"')
+    if not isinstance(spec.get("config"), dict):
+        raise ValueError(f'{path}: needs "config", the model\'s sizes')
+    return spec
+
+
+def reward_models(spec: dict) -> dict[str, torch.nn.Module]:
+    """The models of a reward configuration (reward_config), random weights, fp32, on the current
+    device: "ocr" {"detector", "recogniser"} (rewards.TextDetector, TextRecogniser), "blip"
+    {"vision", "text"} (ImageReward's BlipVisionModel, BlipTextModel), "vlm" {"model"} (a
+    Qwen2-VL-family model: Qwen2_5_VL when its vision config has out_hidden_size, else Qwen2VL),
+    "clip" {"model"} (CLIPModel, clip_config)."""
+    with torch.device("cpu"):  # its first import makes tensors, never on meta
+        import rewards
+
+    kind, c = spec["kind"], spec["config"]
+    if kind == "ocr":
+        return {"detector": rewards.TextDetector(),
+                "recogniser": rewards.TextRecogniser(c["recogniser_width"])}  # fmt: skip
+    if kind == "blip":
+        from transformers import BlipTextConfig, BlipVisionConfig
+        from transformers.models.blip.modeling_blip import BlipVisionModel
+        from transformers.models.blip.modeling_blip_text import BlipTextModel
+
+        text = BlipTextConfig(**c["text_config"], pad_token_id=0, bos_token_id=None,
+                              sep_token_id=None)  # fmt: skip
+        return {"vision": BlipVisionModel(BlipVisionConfig(**c["vision_config"])),
+                "text": BlipTextModel(text, add_pooling_layer=False)}  # fmt: skip
+    if kind == "vlm":
+        import transformers
+
+        qwen25 = "out_hidden_size" in c["vision_config"]
+        name = "Qwen2_5_VL" if qwen25 else "Qwen2VL"
+        keys = ("text_config", "vision_config", "image_token_id", "video_token_id",
+                "vision_start_token_id", "vision_end_token_id")  # fmt: skip
+        config = getattr(transformers, f"{name}Config")(**{k: c[k] for k in keys if k in c})
+        return {"model": getattr(transformers, f"{name}ForConditionalGeneration")(config)}
+    return {"model": __import__("transformers").CLIPModel(clip_config(c))}
+
+
+def vlm_grid(c: dict, height: int, width: int) -> tuple[int, int]:
+    """(rows, columns) of patches a Qwen2-VL-family image processor makes of an image of that
+    size under the configuration's min_pixels and max_pixels (transformers' smart_resize)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    v = c["vision_config"]
+    factor = v["patch_size"] * v["spatial_merge_size"]
+    h, w = smart_resize(height, width, factor, c["min_pixels"], c["max_pixels"])
+    return h // v["patch_size"], w // v["patch_size"]
+
+
+def vlm_inputs(c: dict, n: int, height: int, width: int, device) -> dict[str, torch.Tensor]:
+    """A Qwen2-VL-family model's inputs for n images of that size, each in a sequence of
+    c["text_tokens"] text tokens around its merged patches (left-padded rows of one length, as
+    rewards.VLM.inputs makes them): input_ids, attention_mask, mm_token_type_ids and
+    image_grid_thw made on the host and moved (the model reads their values), pixel_values
+    (fp32, as the image processor returns them) made on `device`."""
+    v = c["vision_config"]
+    rows, cols = vlm_grid(c, height, width)
+    merged = rows * cols // v["spatial_merge_size"] ** 2
+    ids = torch.zeros(n, c["text_tokens"] + merged, dtype=torch.long)  # text: token 0
+    ids[:, 8] = c["vision_start_token_id"]
+    ids[:, 9 : 9 + merged] = c["image_token_id"]
+    ids[:, 9 + merged] = c["vision_end_token_id"]
+    channels = 3 * v["temporal_patch_size"] * v["patch_size"] ** 2
+    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
+            "mm_token_type_ids": (ids == c["image_token_id"]).int().to(device),
+            "image_grid_thw": torch.tensor([[1, rows, cols]] * n).to(device),
+            "pixel_values": torch.zeros(n * rows * cols, channels, device=device)}  # fmt: skip
 
 
 class OpenClipLike(torch.nn.Module):

@@ -144,6 +144,11 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--cost-model", action="store_true",
                     help="print the FLOP cost model of the full-size configurations and ReCAST's "
                     "modelled share of an epoch, then exit (no device, nothing built)")  # fmt: skip
+    ap.add_argument("--reward-timing", action="store_true",
+                    help="time one scored image of each paper2 reward and judge that is not a "
+                    "CLIP (ocr, vqa, imagereward, hpsv3) at its real size with random weights, "
+                    "at 512 and 1024 px, and write OUT/reward_timing.md (needs a CUDA "
+                    "GPU)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.shrink and args.shrink not in SHRINKS:
         fail("--shrink", f"must be one of {', '.join(map(str, SHRINKS))} (every width is divided "
@@ -376,6 +381,90 @@ def reward_flops(cf: dict) -> dict:
             "aesthetic": cf["clip_l14_image"] + cf["aesthetic_head"]}  # fmt: skip
 
 
+def model_reward_flops(spec: dict, resolution: int) -> float:
+    """FLOPs per scored image of a reward configuration (modelzoo.reward_config) on an image of
+    `resolution` px, counted on its meta-device models as rewards.py runs them: "ocr" the
+    detector on the whole image (padded to 32 px) and the recogniser on boxes_per_image line
+    boxes; "blip" ImageReward's ViT on 224 px and its text encoder on 35 tokens attending to it,
+    and the head; "vlm" the vision tower on the patches its image processor makes and the
+    language model on those merged tokens and text_tokens more (vqa: the answer's logits only;
+    HPSv3: the reward head on one hidden state); "clip" image and 77-token text towers."""
+    import torch
+
+    from benchmarks import modelzoo
+
+    kind, c = spec["kind"], spec["config"]
+    with torch.device("meta"):
+        m = modelzoo.reward_models(spec)
+    head = sum(2 * i * o for i, o in zip(c.get("head", []), c.get("head", [])[1:], strict=False))
+    meta = torch.device("meta")
+    with torch.no_grad():
+        if kind == "ocr":
+            side = -(-resolution // 32) * 32
+            x = torch.zeros(1, 3, side, side, device=meta)
+            line = torch.zeros(c["boxes_per_image"], 1, c["line_height"], c["box_width"],
+                               device=meta)  # fmt: skip
+            return count_flops(lambda: m["detector"](x)) + count_flops(
+                lambda: m["recogniser"](line)
+            )
+        if kind == "blip":
+            v = c["vision_config"]
+            pixels = torch.zeros(1, 3, v["image_size"], v["image_size"], device=meta)
+            seen = m["vision"](pixel_values=pixels).last_hidden_state
+            ids = torch.zeros(1, c["text_tokens"], dtype=torch.long, device=meta)
+            return (
+                count_flops(lambda: m["vision"](pixel_values=pixels))
+                + count_flops(lambda: m["text"](input_ids=ids, encoder_hidden_states=seen))
+                + head
+            )
+        if kind == "vlm":
+            from benchmarks import memtrace
+
+            with memtrace.GpuForm("cuda"):  # the inputs' values, as the planner keeps them
+                inputs = modelzoo.vlm_inputs(c, 1, resolution, resolution, meta)
+                if c.get("output", "logits") == "logits":
+                    fn = lambda: m["model"](**inputs, use_cache=False, logits_to_keep=2)  # noqa: E731
+                else:
+                    fn = lambda: m["model"].model(**inputs, use_cache=False)  # noqa: E731
+                return count_flops(fn) + head
+        pixels = torch.zeros(1, 3, 224, 224, device=meta)
+        ids = torch.zeros(1, 77, dtype=torch.long, device=meta)
+        return count_flops(lambda: m["model"](input_ids=ids, pixel_values=pixels))
+
+
+PAPER2 = ("pickscore", "ocr", "vqa", "aesthetic")  # --rewards paper2 (rewards.PRESETS)
+PAPER2_JUDGES = ("imagereward", "hpsv3", "clipscore")
+
+
+def paper2_flops(cf: dict, resolutions) -> dict:
+    """{resolution: {reward or judge: FLOPs per scored image}} of paper2's rewards and judges:
+    the CLIPs from component_flops (`cf`), the others from their configurations
+    (model_reward_flops)."""
+    from benchmarks import modelzoo
+
+    clip = reward_flops(cf)
+    out = {}
+    for res in resolutions:
+        out[res] = {"clipscore": clip["clipscore"]}
+        for name in (*PAPER2, *PAPER2_JUDGES):
+            if name in clip:
+                out[res][name] = clip[name]
+            elif name in modelzoo.REWARD_CONFIGS:
+                path = modelzoo.CONFIGS / f"{modelzoo.REWARD_CONFIGS[name]}.json"
+                out[res][name] = model_reward_flops(modelzoo.reward_config(path), res)
+    return out
+
+
+def by_precision(flops: dict, names) -> dict:
+    """{"fp32", "bf16": FLOPs per image} of rewards `names`: a VLM's in bf16 (rewards.VLM on a
+    GPU), the others in fp32."""
+    from benchmarks import modelzoo
+
+    vlm = {n for n, f in modelzoo.REWARD_CONFIGS.items() if f.startswith(("vqa_", "hpsv3_"))}
+    return {"fp32": sum(flops[n] for n in names if n not in vlm),
+            "bf16": sum(flops[n] for n in names if n in vlm)}  # fmt: skip
+
+
 def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> dict:
     """{phase: {precision: FLOPs}} of one epoch of run `r` (resolution, steps, prompts,
     group_size, train_frac, kl_coef, gain_frac, gain_every, score_precision, grad_checkpointing,
@@ -383,7 +472,10 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     --gain-every epochs instead of charging the epochs that score."""
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
-    vae, rew = cf[f"vae_decode@{res}"], sum(reward_flops(cf).values())
+    # the rewards' FLOPs per image by precision: paper1's CLIPs in fp32, or r["reward_flops"]
+    # (paper2_reward_flops: its VLM's in bf16, as rewards.VLM loads it on a GPU)
+    per = r.get("reward_flops") or {"fp32": sum(reward_flops(cf).values())}
+    vae, rew = cf[f"vae_decode@{res}"], sum(per.values())
     text = cf["text"] if "text" in cf else cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
     from plumbing import cli
 
@@ -396,16 +488,25 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     pairs = max(1, round(r["train_frac"] * n * T))
     per_pair = fwd + bwd + fwd * (1 + bool(r["grad_checkpointing"]) + (r["kl_coef"] > 0))
     E = r["eval_images"] if r.get("eval", False) else 0
+
+    def rewards_at(k: float) -> dict:  # k images through every reward, by precision
+        return {p: k * v for p, v in per.items() if v}
+
+    steps = scored * (T - 1)
     return {
         "rollout": {"bf16": n * T * fwd + P * text},
-        "score": {"tf32": n * vae, "fp32": n * rew},
+        "score": {"tf32": n * vae, **rewards_at(n)},
         "recast": (
-            {"bf16": scored * (T - 1) * (vae + rew)}
+            {"bf16": steps * (vae + rew)}
             if r.get("score_precision", "fp32") == "bf16"
-            else {"tf32": scored * (T - 1) * vae, "fp32": scored * (T - 1) * rew}
+            else {"tf32": steps * vae, **rewards_at(steps)}
         ),
         "update": {"bf16": pairs * per_pair + P * text},
-        "eval": {"bf16": E * (T * fwd + text), "tf32": E * vae, "fp32": E * rew},
+        "eval": {
+            "tf32": E * vae,
+            **rewards_at(E),
+            "bf16": E * (T * fwd + text) + E * per.get("bf16", 0.0),
+        },  # fmt: skip
     }
 
 
@@ -1137,9 +1238,122 @@ def print_cost_model() -> None:
         print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
               f"{x['score_precision']:>17}  "
               f"{x['flop_share']:>10.1%}  {x['time_share_at_peak']:>18.1%}")  # fmt: skip
+    print_paper2_costs(cf, r512, r1024)
     fams = {family: family_flops(c, cf, family, (512, 1024)) for family in FAMILY_NAMES}
     print_family_costs(c, fams, r512, r1024)
     print_shard_costs(c, fams, r512, r1024)
+
+
+PAPER2_SETTINGS = ((0.125, 1), (0.0625, 1), (0.03125, 1), (0.125, 2), (0.125, 4), (0.0625, 2))
+# (--gain-frac, --gain-every) of 32 prompts under bf16 scoring; the first is today's default
+
+
+def paper2_shares(cf: dict, r: dict, per_image: dict) -> list[dict]:
+    """ReCAST's modelled share of a paper2 epoch (step scoring amortised over --gain-every, no
+    eval) for each of PAPER2_SETTINGS: of the FLOPs and of the time at the H100/H200 data
+    sheet's peaks, and the recast epoch over the uniform one (which scores no step)."""
+    rows, rates = [], peak_rates("H100/H200 SXM")
+    base = {**r, "reward_flops": by_precision(per_image, PAPER2), "eval": False}
+    uniform = modelled_seconds(phase_flops(cf, {**base, "weighting": "uniform"}), rates)
+    for frac, every in PAPER2_SETTINGS:
+        setting = {"gain_frac": frac, "gain_every": every, "score_precision": "bf16"}
+        f = phase_flops(cf, {**base, **setting}, amortised=True)
+        fl, sec = total(f), modelled_seconds(f, rates)
+        rows.append({**setting, "flop_share": fl["recast"] / sum(fl.values()),
+                     "time_share_at_peak": sec["recast"] / sum(sec.values()),
+                     "epoch_s_at_peak": sum(sec.values()),
+                     "over_uniform": sum(sec.values()) / sum(uniform.values())})  # fmt: skip
+    return rows
+
+
+def print_paper2_costs(cf: dict, r512: dict, r1024: dict) -> None:
+    """paper2's rewards and judges per scored image, and ReCAST's share of a paper2 epoch."""
+    from plumbing import cli
+
+    flops = paper2_flops(cf, (512, 1024))
+    print("paper2's rewards and judges, GFLOP per scored image (512 px, 1024 px; the VLMs at the "
+          "image token counts their image processors make):")  # fmt: skip
+    for name in (*PAPER2, *PAPER2_JUDGES):
+        print(f"  {name:<12} {flops[512][name] / 1e9:10.1f} {flops[1024][name] / 1e9:10.1f}")
+    for name, r in (("512 px", r512), ("1024 px, --grad-checkpointing", r1024)):
+        rows = paper2_shares(cf, r, flops[r["resolution"]])
+        print(
+            f"ReCAST's modelled share of a paper2 epoch at {name} ({r['prompts']} prompts, no "
+            "eval; the first row is today's scoring default), at the H100/H200 peaks:"
+        )
+        print("  --gain-frac  groups --gain-every  FLOP share  time share  epoch s  recast/uniform")
+        for x in rows:
+            groups = cli.scored_groups(x["gain_frac"], r["prompts"])
+            print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
+                  f"{x['flop_share']:>10.1%} {x['time_share_at_peak']:>11.1%} "
+                  f"{x['epoch_s_at_peak']:>8.1f} {x['over_uniform']:>15.3f}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# One scored image per reward, measured (--reward-timing)
+# ---------------------------------------------------------------------------------------------
+OCR_PROMPT = 'a wooden sign that says "COSMIC VIBES", beside a toaster'  # prompts/ocr_eval.txt
+
+
+def reward_timings(specs: dict, resolution: int, device, repeats: int = 5) -> dict:
+    """{reward: {"s": median seconds of one scored image, "gflop": its modelled GFLOP}} of each
+    reward configuration in `specs` (modelzoo.reward_config), built with random weights on
+    `device` (a VLM in bf16 on CUDA, as rewards.VLM loads it) and scored on one random image of
+    `resolution` px after a warm-up: "ocr" by rewards.ocr_scorer itself (the detector, the
+    components and boxes its random output gives, the recogniser on each), "blip" by
+    rewards.imagereward_scorer, "vlm" by the planner's forward at the image token count its
+    image processor makes (memory_plan.model_reward; rewards.VLM needs the model's own
+    tokenizer, which is not here). Each model is freed before the next is built."""
+    import statistics
+
+    import torch
+
+    import rewards
+    from benchmarks import memory_plan
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="reward_timing_") as tmp:
+        for name, spec in specs.items():
+            with torch.device(device):
+                fn, held = memory_plan.model_reward(spec, Path(tmp), device, device.type == "cuda")
+            if spec["kind"] == "ocr":
+                fn = rewards.ocr_scorer(rewards.TextReader(held[0], held[1], device))
+            image = torch.rand(1, 3, resolution, resolution, device=device) * 2 - 1
+            fn(image, [OCR_PROMPT])  # warm-up
+            times = []
+            for _ in range(repeats):
+                sync(device)
+                tic = time.perf_counter()
+                fn(image, [OCR_PROMPT])
+                sync(device)
+                times.append(time.perf_counter() - tic)
+            out[name] = {"s": statistics.median(times),
+                         "gflop": model_reward_flops(spec, resolution) / 1e9}  # fmt: skip
+            del fn, held, image
+            free_device_memory()
+    return out
+
+
+def write_reward_timing(out: Path, device) -> None:
+    """--reward-timing: reward_timings of paper2's model rewards and judges at 512 and 1024 px,
+    printed and written to OUT/reward_timing.md (with the device and software)."""
+    from benchmarks import modelzoo
+
+    specs = {n: modelzoo.reward_config(modelzoo.CONFIGS / f"{f}.json")
+             for n, f in modelzoo.REWARD_CONFIGS.items()}  # fmt: skip
+    rows = {res: reward_timings(specs, res, device) for res in (512, 1024)}
+    lines = [f"# One scored image per reward, random weights, on {device_name(device)}", "",
+             f"`python benchmarks/scale_check.py --reward-timing --out {out}`; "
+             + ", ".join(f"{k} {v}" for k, v in software().items()), "",
+             "| reward | px | ms | GFLOP (modelled) | TFLOP/s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for res, timed in rows.items():
+        for name, x in timed.items():
+            lines.append(f"| {name} | {res} | {1e3 * x['s']:.1f} | {x['gflop']:.1f} | "
+                         f"{x['gflop'] / 1e3 / x['s']:.1f} |")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reward_timing.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1384,6 +1598,13 @@ def main(argv=None) -> None:
         return
     import torch
 
+    if args.reward_timing:
+        if not torch.cuda.is_available():
+            fail("--reward-timing", "times the reward models at their real size on a CUDA GPU "
+                 "and there is none here (its CPU path is tested on tiny configurations: "
+                 "benchmarks/test_scale_check.py)")  # fmt: skip
+        write_reward_timing(Path(args.out), torch.device("cuda"))
+        return
     if not args.shrink and not torch.cuda.is_available():
         fail("--shrink", "the full-size check needs a CUDA GPU and there is none here; on the CPU "
              "run the scaled-down check instead, e.g. --shrink 16")  # fmt: skip

@@ -301,3 +301,151 @@ def test_a_velocity_not_computed_has_the_computed_ones_shape_and_needs_grad_for_
     assert v.shape == x.shape and v.dtype == torch.float32 and v.requires_grad and v.is_meta
     with torch.no_grad():
         assert not world.v("old", x, None, None).requires_grad
+
+
+# Tiny configurations of the rewards that do not sit on CLIP, in benchmarks/configs' format
+TINY_VLM = dict(
+    text_config=dict(
+        vocab_size=263,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]},
+        bos_token_id=None,
+        eos_token_id=258,
+        pad_token_id=0,
+    ),
+    image_token_id=261,
+    video_token_id=262,
+    vision_start_token_id=259,
+    vision_end_token_id=260,
+    min_pixels=28 * 28,
+    max_pixels=56 * 56,
+    text_tokens=16,
+)  # fmt: skip  (modelzoo.tiny_vlm's sizes and token ids)
+TINY_REWARDS = {
+    "ocr": {"kind": "ocr", "config": {"recogniser_width": 16, "line_height": 64,
+                                      "boxes_per_image": 2, "box_width": 128}},
+    "vqa": {"kind": "vlm", "config": {**TINY_VLM, "output": "logits", "vision_config": dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+        fullatt_block_indexes=[1])}},
+    "hpsv3": {"kind": "vlm", "config": {**TINY_VLM, "output": "hidden", "head": [32, 16, 8, 2],
+                                        "vision_config": dict(depth=2, embed_dim=32,
+                                        hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
+                                        spatial_merge_size=2, temporal_patch_size=2)}},
+    "imagereward": {"kind": "blip", "config": {
+        "vision_config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=32, patch_size=8),
+        "text_config": dict(vocab_size=43, hidden_size=32, encoder_hidden_size=64,
+                            intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            max_position_embeddings=64),
+        "head": [32, 16, 8, 1]}},
+}  # fmt: skip
+
+
+def tiny_reward_flags(root: Path, **changes: dict) -> list[str]:
+    """--reward-config NAME=FILE for each of TINY_REWARDS (a config's entries replaced by
+    `changes[NAME]`), the files written under root."""
+    flags = []
+    for name, spec in TINY_REWARDS.items():
+        spec = {**spec, "config": {**spec["config"], **changes.get(name, {})}}
+        path = root / f"{name}-{len(list(root.glob(f'{name}-*.json')))}.json"
+        path.write_text(json.dumps(spec))
+        flags += ["--reward-config", f"{name}={path}"]
+    return flags
+
+
+PAPER2_TINY = ["--rewards", "pickscore,ocr,vqa,aesthetic", "--lambda", "0.4,0.2,0.2,0.2",
+               "--no-suggest"]  # fmt: skip
+
+
+def test_every_model_reward_and_judge_is_planned_from_its_configuration(tiny):
+    """paper2's rewards and judges on tiny configurations: loading holds every judge's model (the
+    judges' parameters exactly: clipscore shares the rewards' CLIP), step scoring and eval run
+    them, and a VLM that reads its images at more tokens (a larger max_pixels) needs more in
+    scoring. Fails if a judge is not built, or a VLM's image tokens do not follow its image
+    processor's settings."""
+    root = tiny["root"]
+    judged = plan(tiny, *PAPER2_TINY, *tiny_reward_flags(root), "--judges",
+                  "imagereward,hpsv3,clipscore")  # fmt: skip
+    more = {"max_pixels": 112 * 112, "min_pixels": 112 * 112}  # 16 tokens an image, not 1
+    wide = plan(tiny, *PAPER2_TINY, *tiny_reward_flags(root, vqa=more))  # and no judges
+    with torch.device("meta"):
+        judges = [modelzoo.reward_models(TINY_REWARDS[n]) for n in ("imagereward", "hpsv3")]
+    hpsv3 = judges[1]["model"].to(torch.bfloat16)  # a VLM in bf16, as rewards.VLM on a GPU
+    heads = [TINY_REWARDS[n]["config"]["head"] for n in ("imagereward", "hpsv3")]  # fp32
+    head_bytes = sum(4 * (i * o + o) for w in heads for i, o in zip(w, w[1:], strict=False))
+    expected = sum(mp._bytes(m) for m in [*judges[0].values(), hpsv3]) + head_bytes
+    assert judged["peaks"]["load"]["parameters"] - wide["peaks"]["load"]["parameters"] == expected
+    assert judged["peaks"]["load"]["judges"] == expected  # what leaving --judges out would free
+    assert judged["judges"] == ["imagereward", "hpsv3", "clipscore"] and wide["judges"] == []
+    for phase in ("score", "recast", "eval"):
+        assert judged["peaks"][phase]["activations"] > 0, phase
+    # the judges run at eval only: scoring's activations are the rewards' (vqa's 1 or 16 tokens)
+    assert wide["peaks"]["score"]["activations"] > judged["peaks"]["score"]["activations"]
+
+
+def test_a_vlm_reads_its_images_at_the_token_counts_of_its_image_processor():
+    """The real configurations: vqa's Qwen2.5-VL reads a 512 px image at 504 px (18 × 18 merged
+    tokens) and a 1024 px one at 1036 px (37 × 37); HPSv3 reads any square image at 448 px (256
+    tokens); each sequence holds its text tokens beside them."""
+    specs = mp.reward_specs([])
+    vqa, hpsv3 = specs["vqa"]["config"], specs["hpsv3"]["config"]
+    assert modelzoo.vlm_grid(vqa, 512, 512) == (36, 36)
+    assert modelzoo.vlm_grid(vqa, 1024, 1024) == (74, 74)
+    assert modelzoo.vlm_grid(hpsv3, 512, 512) == modelzoo.vlm_grid(hpsv3, 1024, 1024) == (32, 32)
+    inputs = modelzoo.vlm_inputs(vqa, 2, 512, 512, "cpu")
+    assert inputs["input_ids"].shape == (2, vqa["text_tokens"] + 324)
+    assert int((inputs["input_ids"] == vqa["image_token_id"]).sum()) == 2 * 324
+    assert inputs["pixel_values"].shape == (2 * 36 * 36, 3 * 2 * 14 * 14)
+
+
+def test_a_replayed_forward_reaches_the_traced_ones_peak():
+    """Replay: the second call of a shape allocates what the first rose by, not more or less."""
+    tracker = mp.memtrace.StorageTracker("meta", 1)
+    replay = mp.Replay(mp.memtrace.GpuForm("cuda"))
+    replay.tracker = tracker
+
+    def forward(n: int) -> torch.Tensor:
+        big = torch.empty(n, 1000, device="meta")  # 4000 n bytes, freed before the output
+        return big.sum(1)
+
+    with tracker:
+        held = torch.empty(100, device="meta")  # noqa: F841 (live through both calls)
+        first = replay(("f", 8), forward, 8)
+        tracker.reset_peak()
+        again = replay(("f", 8), forward, 8)
+    assert again.shape == first.shape and tracker.peak == 400 + 32 + 32000 + 32
+
+
+CONFIGURED = ["--reward-config", f"myreward={modelzoo.CONFIGS / 'imagereward_blip.json'}"]
+
+
+@pytest.mark.parametrize("flags, flag, good", [
+    (["--rewards", "myreward", "--lambda", "1"], "--rewards",
+     ["--rewards", "myreward", "--lambda", "1", *CONFIGURED]),
+    (["--judges", "myreward"], "--judges", ["--judges", "myreward", *CONFIGURED]),
+    (["--reward-config", "myreward"], "--reward-config", CONFIGURED),
+    (["--reward-config", "myreward=/no/such/file.json"], "--reward-config", CONFIGURED),
+])  # fmt: skip
+def test_a_reward_the_planner_cannot_build_exits_2_saying_how_to_configure_it(
+    flags, flag, good, monkeypatch, capsys
+):
+    """A reward a user registered (rewards.LOADERS) with no configuration, as a reward or a
+    judge: exit 2 naming the flag and --reward-config; a bad --reward-config: exit 2 naming it.
+    With a configuration file the same reward is planned."""
+    import rewards
+
+    monkeypatch.setitem(rewards.LOADERS, "myreward", lambda device: None)
+    with pytest.raises(SystemExit) as e:
+        mp.parse(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {flag}:" in err and len(err.strip().splitlines()) == 1
+    if flag != "--reward-config":
+        assert "myreward" in err and "--reward-config myreward=FILE.json" in err, err
+    own, _ = mp.parse(good)
+    assert own.specs["myreward"]["kind"] == "blip"

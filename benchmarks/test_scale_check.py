@@ -272,3 +272,74 @@ def test_shard_costs_on_four_nodes_keep_the_gathers_on_each_node_under_hsdp(monk
     assert sc.NETWORK_BYTES_S == 4 * 400e9 / 8 / 8  # 4 × 400 Gb/s a node of 8 GPUs
     assert flat["gathered_gb"] == pytest.approx(hsdp["gathered_gb"] * (31 / 32) / (7 / 8))
     assert flat["comm_s"] > 10 * hsdp["comm_s"] and flat["exposed_s"] > 10 * hsdp["exposed_s"]
+
+
+def tiny_vlm_spec() -> dict:
+    """A tiny Qwen2-VL configuration in benchmarks/configs' format, HPSv3's "hidden" output."""
+    text = dict(vocab_size=263, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, bos_token_id=None,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})  # fmt: skip
+    return {"kind": "vlm", "config": {
+        "text_config": text, "image_token_id": 261, "video_token_id": 262,
+        "vision_start_token_id": 259, "vision_end_token_id": 260, "min_pixels": 28 * 28,
+        "max_pixels": 112 * 112, "text_tokens": 16, "output": "hidden",
+        "vision_config": dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
+                              patch_size=14, spatial_merge_size=2,
+                              temporal_patch_size=2)}}  # fmt: skip
+
+
+def test_paper2_rewards_are_counted_per_image_at_their_precision():
+    """A run's reward FLOPs by precision (the VLM's in bf16): scoring and the fp32 step scoring
+    keep each precision apart, bf16 step scoring runs all of it at the bf16 rate; and a VLM's
+    FLOPs per image follow the tokens its image processor makes: at least 2 × the language
+    model's matmul weights × its tokens, and more for a larger image."""
+    cf = {"transformer_fwd@512": 2.0, "transformer_bwd@512": 3.0, "vae_decode@512": 5.0,
+          "text": 1.0}  # fmt: skip
+    r = {**sc.FULL_RUN, "train_frac": 0.5, "gain_frac": 1.0, "gain_every": 1,
+         "grad_checkpointing": False, "reward_flops": {"fp32": 0.5, "bf16": 7.0}}  # fmt: skip
+    f = sc.phase_flops(cf, r, epoch=1)
+    n, T = 64, 10
+    assert f["score"] == {"tf32": n * 5.0, "fp32": n * 0.5, "bf16": n * 7.0}
+    assert f["recast"] == {"tf32": n * (T - 1) * 5.0, "fp32": n * (T - 1) * 0.5,
+                           "bf16": n * (T - 1) * 7.0}  # fmt: skip
+    bf16 = sc.phase_flops(cf, {**r, "score_precision": "bf16"}, epoch=1)["recast"]
+    assert bf16 == {"bf16": n * (T - 1) * (5.0 + 7.5)}
+    assert sc.by_precision({"vqa": 3.0, "hpsv3": 4.0, "ocr": 1.0, "pickscore": 2.0},
+                           ("pickscore", "ocr", "vqa")) == {"fp32": 3.0, "bf16": 3.0}  # fmt: skip
+    spec = tiny_vlm_spec()
+    small, large = sc.model_reward_flops(spec, 56), sc.model_reward_flops(spec, 112)
+    lm = 2 * (32 * 32 * 2 + 32 * 16 * 2 + 3 * 32 * 64)  # q, o; k, v; the MLP: 2 layers' matmuls
+    assert small >= lm * (16 + 4) and large >= lm * (16 + 16) and large > small
+
+
+def test_reward_timing_scores_one_image_per_reward_on_tiny_configurations():
+    """--reward-timing's CPU path: each kind of model reward (EasyOCR's real scorer on random
+    weights, ImageReward's, a VLM's forward) is built, scores one image, and is timed."""
+    import torch
+
+    specs = {
+        "ocr": {"kind": "ocr", "config": {"recogniser_width": 16, "line_height": 64,
+                                          "boxes_per_image": 1, "box_width": 64}},
+        "imagereward": {"kind": "blip", "config": {
+            "vision_config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=2, image_size=32, patch_size=8),
+            "text_config": dict(vocab_size=43, hidden_size=32, encoder_hidden_size=64,
+                                intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, max_position_embeddings=64),
+            "head": [32, 16, 1], "text_tokens": 35}},
+    }  # fmt: skip
+    specs["hpsv3"] = tiny_vlm_spec()
+    timed = sc.reward_timings(specs, 64, torch.device("cpu"), repeats=1)
+    assert list(timed) == ["ocr", "imagereward", "hpsv3"]
+    assert all(x["s"] > 0 and x["gflop"] > 0 for x in timed.values()), timed
+
+
+def test_reward_timing_without_a_gpu_exits_2(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        sc.main(["--reward-timing", "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --reward-timing:" in err and "CUDA GPU" in err
+    assert not (tmp_path / "t").exists()
