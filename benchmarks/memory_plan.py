@@ -92,6 +92,7 @@ import rewards  # noqa: E402
 from benchmarks import memtrace, modelzoo  # noqa: E402
 from plumbing import cli, distributed  # noqa: E402
 from recast_kernels.nft_loss import nft_loss, reference_nft_loss  # noqa: E402
+from reward_models import imagereward_model  # noqa: E402
 from worlds import diffusersworld, families  # noqa: E402
 
 PHASES = ("rollout", "score", "recast", "update", "eval")
@@ -386,12 +387,12 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
     does it: "ocr" (rewards.ocr_scorer: the detector on each image at its own size, padded to 32
     px, then the recogniser's convolutions on boxes_per_image line boxes line_height px high and
     box_width wide; the boxes are found from the detector's values, which meta tensors do not
-    have, on the host), "blip" (rewards.imagereward_scorer itself, with a generated BERT
+    have, on the host), "blip" (imagereward_model.imagereward_scorer itself, with a generated BERT
     tokenizer: the token ids' values do not matter, only the 35 of them), "vlm" (a
     Qwen2-VL-family model on rewards.CHUNK images a forward at the token count the image
     processor makes of them, modelzoo.vlm_inputs: "output" "logits" asks for the answer's logits
     only, as rewards.vqa_scorer; "hidden", the last hidden states and the reward head, as
-    rewards.hpsv3_scorer), "clip" (rewards.clipscore_scorer)."""
+    hpsv3_model.hpsv3_scorer), "clip" (rewards.clipscore_scorer)."""
     kind, cfg = spec["kind"], spec["config"]
     replay = replay or (lambda key, fn, *args: fn(*args))
     models = modelzoo.reward_models(spec)
@@ -410,7 +411,9 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
         tokenizer = BertTokenizer(str(folder / "vocab.txt"))
-        return rewards.imagereward_scorer(models["vision"], models["text"], tokenizer, head), held
+        return imagereward_model.imagereward_scorer(
+            models["vision"], models["text"], tokenizer, head
+        ), held
     if kind == "clip":
         from transformers import CLIPProcessor
 
@@ -420,7 +423,7 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
         processor.tokenizer.model_input_names = ["input_ids"]
         return rewards.clipscore_scorer(models["model"], processor), held
 
-    def read(im: torch.Tensor) -> torch.Tensor:  # rewards.TextReader.read of one image
+    def read(im: torch.Tensor) -> torch.Tensor:  # ocr_reader.TextReader.read of one image
         x = F.pad(im.float(), (0, -im.shape[-1] % 32, 0, -im.shape[-2] % 32))  # .boxes
         models["detector"](x[None]).float()
         line = torch.zeros(1, 1, cfg["line_height"], cfg["box_width"], device=im.device)
@@ -442,7 +445,7 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
             return logits[:, :-1].float().log_softmax(-1)[:, 0, 0].exp()
         hidden = models["model"].model(**inputs, use_cache=False).last_hidden_state
         hidden = hidden[:, -3].float()  # at <|Reward|>, near the end of HPSv3's question
-        for i, (w, b) in enumerate(head):  # rewards.hpsv3_scorer's head: μ
+        for i, (w, b) in enumerate(head):  # hpsv3_model.hpsv3_scorer's head: μ
             hidden = F.linear(hidden, w, b)
             hidden = hidden if i == len(head) - 1 else F.relu(hidden)
         return hidden[:, 0]

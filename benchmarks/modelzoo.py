@@ -280,17 +280,17 @@ def reward_config(path: str | os.PathLike) -> dict:
 
 def reward_models(spec: dict) -> dict[str, torch.nn.Module]:
     """The models of a reward configuration (reward_config), random weights, fp32, on the current
-    device: "ocr" {"detector", "recogniser"} (rewards.TextDetector, TextRecogniser), "blip"
+    device: "ocr" {"detector", "recogniser"} (ocr_reader.TextDetector, TextRecogniser), "blip"
     {"vision", "text"} (ImageReward's BlipVisionModel, BlipTextModel), "vlm" {"model"} (a
     Qwen2-VL-family model: Qwen2_5_VL when its vision config has out_hidden_size, else Qwen2VL),
     "clip" {"model"} (CLIPModel, clip_config)."""
     with torch.device("cpu"):  # its first import makes tensors, never on meta
-        import rewards
+        from reward_models import ocr_reader
 
     kind, c = spec["kind"], spec["config"]
     if kind == "ocr":
-        return {"detector": rewards.TextDetector(),
-                "recogniser": rewards.TextRecogniser(c["recogniser_width"])}  # fmt: skip
+        return {"detector": ocr_reader.TextDetector(),
+                "recogniser": ocr_reader.TextRecogniser(c["recogniser_width"])}  # fmt: skip
     if kind == "blip":
         from transformers import BlipTextConfig, BlipVisionConfig
         from transformers.models.blip.modeling_blip import BlipVisionModel

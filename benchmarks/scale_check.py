@@ -1301,8 +1301,8 @@ def reward_timings(specs: dict, resolution: int, device, repeats: int = 5) -> di
     `device` (a VLM in bf16 on CUDA, as rewards.VLM loads it) and scored on one random image of
     `resolution` px after a warm-up: "ocr" by rewards.ocr_scorer itself (the detector, the
     components and boxes its random output gives, the recogniser on each), "blip" by
-    rewards.imagereward_scorer, "vlm" by the planner's forward at the image token count its
-    image processor makes (memory_plan.model_reward; rewards.VLM needs the model's own
+    imagereward_model.imagereward_scorer, "vlm" by the planner's forward at the image token count
+    its image processor makes (memory_plan.model_reward; rewards.VLM needs the model's own
     tokenizer, which is not here). Each model is freed before the next is built."""
     import statistics
 
@@ -1310,6 +1310,7 @@ def reward_timings(specs: dict, resolution: int, device, repeats: int = 5) -> di
 
     import rewards
     from benchmarks import memory_plan
+    from reward_models import ocr_reader
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="reward_timing_") as tmp:
@@ -1317,7 +1318,7 @@ def reward_timings(specs: dict, resolution: int, device, repeats: int = 5) -> di
             with torch.device(device):
                 fn, held = memory_plan.model_reward(spec, Path(tmp), device, device.type == "cuda")
             if spec["kind"] == "ocr":
-                fn = rewards.ocr_scorer(rewards.TextReader(held[0], held[1], device))
+                fn = rewards.ocr_scorer(ocr_reader.TextReader(held[0], held[1], device))
             image = torch.rand(1, 3, resolution, resolution, device=device) * 2 - 1
             fn(image, [OCR_PROMPT])  # warm-up
             times = []
