@@ -411,8 +411,9 @@ def model_reward(spec: dict, tokenizers: Path, device, gpu_form: bool, replay=No
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
         tokenizer = BertTokenizer(str(folder / "vocab.txt"))
+        pixels = lambda im, side: im.new_empty(len(im), 3, side, side)  # noqa: E731 (PIL's, on the host)
         return imagereward_model.imagereward_scorer(
-            models["vision"], models["text"], tokenizer, head
+            models["vision"], models["text"], tokenizer, head, pixels
         ), held
     if kind == "clip":
         from transformers import CLIPProcessor

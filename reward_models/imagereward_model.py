@@ -154,9 +154,11 @@ def imagereward_pixels(images: torch.Tensor, side: int) -> torch.Tensor:
     return ((x - mean) / std).to(images.device)
 
 
-def imagereward_scorer(vision, text, tokenizer, head):
+def imagereward_scorer(vision, text, tokenizer, head, pixels=imagereward_pixels):
     """ImageReward's score, given transformers' BlipVisionModel and BlipTextModel, the tokenizer
-    and the head's (weight, bias) pairs on the models' device."""
+    and the head's (weight, bias) pairs on the models' device. `pixels` (images, side) → (B, 3,
+    side, side) is the host's preprocessing (the memory planner, whose images hold no values,
+    gives a tensor of its shape instead)."""
     side = vision.config.image_size
     device = next(vision.parameters()).device
 
@@ -164,8 +166,8 @@ def imagereward_scorer(vision, text, tokenizer, head):
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         out = []
         for s in range(0, len(prompts), CHUNK):
-            pixels = imagereward_pixels(images[s : s + CHUNK], side).to(device)
-            seen = vision(pixel_values=pixels).last_hidden_state
+            x = pixels(images[s : s + CHUNK], side).to(device)
+            seen = vision(pixel_values=x).last_hidden_state
             tokens = tokenizer(
                 prompts[s : s + CHUNK], padding="max_length", truncation=True,
                 max_length=IMAGEREWARD_TOKENS, return_tensors="pt",
