@@ -319,7 +319,7 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
             scorers.update({n: rewards.get(n, device) for n in group})
         except (ImportError, OSError, ValueError) as e:
             cli.fail(flag, f"could not load a reward model: {e}")
-    scale = parse_scale(args.reward_scale, names)
+    scale = cli.parse_scale(args.reward_scale, names)
     reward_fns = {n: in_units(scorers[n], f) for n, f in zip(names, scale, strict=True)}
     params = [p for p in world.trainable.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -350,24 +350,6 @@ def check_resumed_precision(args, precision: str, device: torch.device, rank0: b
                  "a new run with another --out")  # fmt: skip
 
 
-def parse_scale(text: str, names: list[str]) -> list[float]:
-    """--reward-scale → one positive, finite factor per reward (empty: 1 each)."""
-    if not text.strip():
-        return [1.0] * len(names)
-    example = "--reward-scale " + ",".join(["1"] * len(names))
-    try:
-        scale = [float(x) for x in text.split(",")]
-    except ValueError:
-        cli.fail("--reward-scale", f"{text!r} is not a comma-separated list of numbers, e.g. "
-                 f"{example}")  # fmt: skip
-    if len(scale) != len(names):
-        cli.fail("--reward-scale", f"{len(scale)} factors for {len(names)} rewards "
-                 f"({', '.join(names)}), e.g. {example}")  # fmt: skip
-    if not all(math.isfinite(f) and f > 0 for f in scale):
-        cli.fail("--reward-scale", f"factors must be finite and > 0, got {text!r}")
-    return scale
-
-
 def in_units(fn, factor: float):
     """The reward `fn` with its scores multiplied by `factor` (itself when 1)."""
     if factor == 1:
@@ -392,16 +374,16 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
     unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale weighs
     in too (DESIGN §3)."""
     s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
-    if normalize == "unit-joint":  # joint's share of the unit-free scores
-        pooled = s.std(-1, correction=0).pow(2).mean(-1, keepdim=True).sqrt()  # (K, 1)
-        s = torch.where(pooled[..., None] > 0, s / pooled.clamp_min(1e-300)[..., None], 0)
-        normalize = "joint"
     spread = s.std(-1, correction=0)  # (K, M)
+    pooled = spread.pow(2).mean(-1, keepdim=True).sqrt()  # (K, 1): batch's σ_k
     lam = lam.to(s)
+    if normalize == "unit-joint":  # joint's share of the unit-free scores s_k / σ_k
+        scale = torch.where(pooled > 0, pooled, 1)  # σ_k = 0: flat in every group, no signal
+        s, spread, normalize = s / scale[..., None], spread / scale, "joint"
     if normalize == "joint":
         spread = spread / (torch.einsum("k,kmg->mg", lam, s).std(-1, correction=0) + 1e-4)
     elif normalize == "batch":
-        spread = spread / (spread.pow(2).mean(-1, keepdim=True).sqrt() + 1e-4)
+        spread = spread / (pooled + 1e-4)
     else:
         spread = spread / (spread + 1e-4)
     weight = lam * spread.mean(-1)

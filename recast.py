@@ -403,11 +403,11 @@ def recast_weights(gains: torch.Tensor, lam: torch.Tensor, tau: float = 1.0, flo
     return W.float()
 
 
-def gain_scores(run: Run, step_scores: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+def gain_scores(run: Run, step_scores: torch.Tensor | None, final: torch.Tensor):
     """The step scores (K, T+1, n) the gains read: as scored, or under unit-joint divided by
     each reward's pooled spread of the epoch's final scores (K, N), so that the gains too are
-    the same in any units (their 1e-4 guard then meets numbers in no units)."""
-    if run.args.normalize != "unit-joint":
+    the same in any units (their 1e-4 guard then meets numbers in no units). None: none scored."""
+    if step_scores is None or run.args.normalize != "unit-joint":
         return step_scores
     return unit_free(step_scores, pooled_spread(final, run.args.group_size))
 
@@ -637,9 +637,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                     m["groups/scored"] = step_scores.shape[-1] // G
                 final, x0 = gather(final), gather(x0, 0)  # every rank now holds every group
                 r = optimality(run, final)
-                if step_scores is not None:
-                    step_scores = gain_scores(run, step_scores, final)
-                W, gains_ema = weights(run, step_scores, gains_ema, m)
+                W, gains_ema = weights(run, gain_scores(run, step_scores, final), gains_ema, m)
             m.update({f"reward/{n}": final[k].mean().item() for k, n in enumerate(names)})
             g = final.view(len(names), -1, G)  # a constant group: max = min (DESIGN §4)
             m["groups/constant"] = int((g.amax(2) == g.amin(2)).sum())

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 import reward_models.hpsv3_model
 import reward_models.imagereward_model
-from reward_models import affine_chain, ocr_reader
+from reward_models import CHUNK, affine_chain, ocr_reader
 from reward_models.vlm import VLM, VLM_FETCH, VLM_IMAGE_TOKEN, VLM_MODELS, to_pil
 from worlds import hub
 from worlds import toyworld as tw
@@ -307,7 +307,6 @@ PRESETS = {
     "toy6": ("color", "size", "elongation", "outline"),
 }
 TOY = frozenset((*tw.ToyWorld.reward_names, *tw.ToyWorld.judge_names, *PRESETS["toy2"]))
-CHUNK = 32  # images per reward-model forward
 
 
 def expand(text: str) -> list[str]:

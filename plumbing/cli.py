@@ -102,12 +102,7 @@ def parse_lambda(text: str, names: list[str]) -> "torch.Tensor":
     example = "--lambda " + ",".join(["0.25"] * len(names))
     if not text.strip():
         fail("--lambda", f"give one budget per reward ({', '.join(names)}), e.g. {example}")
-    try:
-        lam = torch.tensor([float(x) for x in text.split(",")], dtype=torch.float64)
-    except ValueError:
-        fail("--lambda", f"{text!r} is not a comma-separated list of numbers, e.g. {example}")
-    if len(lam) != len(names):
-        fail("--lambda", f"{len(lam)} budgets for {len(names)} rewards ({', '.join(names)})")
+    lam = torch.tensor(numbers("--lambda", text, names, "budgets", example), dtype=torch.float64)
     if not torch.isfinite(lam).all() or (lam < 0).any():
         fail("--lambda", f"budgets must be finite and ≥ 0, got {text!r}")
     if lam.sum() == 0:
@@ -116,6 +111,28 @@ def parse_lambda(text: str, names: list[str]) -> "torch.Tensor":
         normalised = ", ".join(f"{x:.4g}" for x in (lam / lam.sum()).tolist())
         print(f"note: --lambda {text} sums to {lam.sum().item():g}; normalised to {normalised}")
     return lam / lam.sum()
+
+
+def numbers(flag: str, text: str, names: list[str], what: str, example: str) -> list[float]:
+    """A comma-separated list of one number per reward (`what`: their name in a message)."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        fail(flag, f"{text!r} is not a comma-separated list of numbers, e.g. {example}")
+    if len(values) != len(names):
+        fail(flag, f"{len(values)} {what} for {len(names)} rewards ({', '.join(names)})")
+    return values
+
+
+def parse_scale(text: str, names: list[str]) -> list[float]:
+    """--reward-scale → one positive, finite factor per reward (empty: 1 each)."""
+    if not text.strip():
+        return [1.0] * len(names)
+    example = "--reward-scale " + ",".join(["1"] * len(names))
+    scale = numbers("--reward-scale", text, names, "factors", example)
+    if not all(math.isfinite(f) and f > 0 for f in scale):
+        fail("--reward-scale", f"factors must be finite and > 0, got {text!r}")
+    return scale
 
 
 def given(argv: list[str] | None, names: list[str]) -> list[str]:

@@ -11,6 +11,8 @@ imports rewards.py.
 
 import torch
 
+CHUNK = 32  # images per reward-model forward (rewards.py's CLIP scorers too)
+
 
 def affine_chain(state: dict[str, torch.Tensor], bad: str) -> list[tuple]:
     """(weight, bias) pairs, in layer order, of an MLP head whose layers are all affine (keys

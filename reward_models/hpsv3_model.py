@@ -12,9 +12,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from reward_models import CHUNK
 from reward_models.vlm import VLM, to_pil
 
-CHUNK = 32  # images per forward
 HPSV3_FETCH = (
     "hf download MizzenAI/HPSv3 HPSv3.safetensors --local-dir DIR (RECAST_HPSV3: the file), "
     "hf download Qwen/Qwen2-VL-7B-Instruct --local-dir BASE (RECAST_HPSV3_BASE: the folder)"

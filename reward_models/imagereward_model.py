@@ -13,10 +13,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from reward_models import affine_chain
+from reward_models import CHUNK, affine_chain
 from reward_models.vlm import to_pil
 
-CHUNK = 32  # images per forward
 IMAGEREWARD_FETCH = (
     "hf download THUDM/ImageReward ImageReward.pt med_config.json --local-dir DIR; "
     "hf download google-bert/bert-base-uncased vocab.txt tokenizer_config.json --local-dir DIR"
