@@ -33,6 +33,7 @@ BEFORE = {
     "shard": False,
     "precision": "auto",
     "reward_scale": "",
+    "score_size": 0,
 }
 
 # Flags that may change on --resume; every other one defines the method and must match.
@@ -135,6 +136,11 @@ class Run:
         benchmarks/memory_plan.py gives its GPU form's, as torch.autocast takes no meta tensors."""
         return torch.autocast(self.world.device.type, torch.bfloat16, enabled=enabled)
 
+    def decode_step(self, x: torch.Tensor) -> torch.Tensor:
+        """The images of step predictions x̂0 that the gains' scoring reads: world.decode, at most
+        --score-size px on the long side (shrink; the toy world's brought back to its size)."""
+        return shrink(self.world.decode(x), self.args.score_size, not is_diffusers(self.args.model))
+
     def progress(self, starts: range, desc: str):
         """A loop of the method over its batches (their first index): with a progress bar on rank 0.
         benchmarks/memory_plan.py replaces it to run the model on the batches that set a phase's
@@ -157,6 +163,21 @@ def timed(metrics: dict, name: str):
         torch.cuda.synchronize()
         metrics[f"mem/{name}"] = torch.cuda.max_memory_allocated() / 2**30
     metrics[f"time/{name}"] = time.perf_counter() - tic
+
+
+def shrink(images: torch.Tensor, px: int, back: bool = False) -> torch.Tensor:
+    """Images (N, 3, H, W) resized by area averaging (a box filter: no aliasing) to at most `px`
+    on the long side, the aspect kept; unchanged when px is 0 or they are no larger. `back`:
+    then resized bilinearly to (H, W) again, for rewards that measure in the original pixels (the
+    toy world's): they read what a px image holds, in their own units."""
+    H, W = images.shape[-2:]
+    if px <= 0 or max(H, W) <= px:
+        return images
+    size = (max(1, round(H * px / max(H, W))), max(1, round(W * px / max(H, W))))
+    small = torch.nn.functional.interpolate(images, size=size, mode="area")
+    if not back:
+        return small
+    return torch.nn.functional.interpolate(small, size=(H, W), mode="bilinear", align_corners=False)
 
 
 def is_toy_model(path: str) -> bool:

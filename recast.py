@@ -93,6 +93,12 @@ class Args:
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
     bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32
     default: 'fp32'; 'bf16' with a diffusers --model"""
+    score_size: int = 0
+    """0 (off) | PX: the step predictions scored for the gains are resized (area) to at most PX on
+    the long side first, so that a vision-language reward reads fewer image tokens (docs/sd35.md);
+    the final scores that train, eval and the judges read the full image. The toy world's rewards
+    measure in its pixels: they read the reduced image brought back to the world's size (the
+    toy-world test: docs/results.md). Off until measured where it is used"""
     reward_scale: str = ""
     """factors, one per reward in --rewards order, that multiply its scores before anything reads
     them: the rewards written in other units (docs/results.md, the units test); eval and the
@@ -343,7 +349,7 @@ def trajectory_scores(reward_fns: dict, decode, preds, final, prompts) -> torch.
 def score_steps(run: Run, preds, final, per_image) -> torch.Tensor:
     """trajectory_scores of --gain-frac of the epoch's groups (cli.scored_groups: the same groups
     on any number of ranks; a rank may score fewer than another, or none), under bf16 autocast
-    with --score-precision bf16; every rank's, in the groups' order."""
+    with --score-precision bf16, at most --score-size px; every rank's, in the groups' order."""
     args, G = run.args, run.args.group_size
     share = lambda r: cli.scored_share(args.gain_frac, args.prompts, run.world_size, r)  # noqa: E731
     n = torch.tensor([g * G + j for g in share(run.rank) for j in range(G)], dtype=torch.long)
@@ -352,7 +358,7 @@ def score_steps(run: Run, preds, final, per_image) -> torch.Tensor:
     with run.observe("steps"), run.autocast(bf16):
         if len(n):
             mine = preds[:, n.to(preds.device)], final[:, n.to(final.device)]
-            scores = trajectory_scores(run.reward_fns, run.world.decode, *mine,
+            scores = trajectory_scores(run.reward_fns, run.decode_step, *mine,
                                        [per_image[i] for i in n])  # fmt: skip
     return distributed.gather_uneven(scores, [len(share(r)) * G for r in range(run.world_size)])
 

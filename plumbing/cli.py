@@ -182,6 +182,12 @@ def check(args, world_size: int, resumable: set[str], before: dict | None = None
         fail("--gain-every", f"must be ≥ 1, got {args.gain_every}")
     if not 0 <= args.gain_shift < args.steps:
         fail("--gain-shift", f"must be in [0, --steps) = [0, {args.steps}), got {args.gain_shift}")
+    if args.score_size < 0:
+        fail("--score-size", f"must be ≥ 0 (0: off; PX: step predictions scored at ≤ PX px), "
+             f"got {args.score_size}")  # fmt: skip
+    if args.score_size and args.weighting in ("uniform", "sum"):
+        fail("--score-size", f"means nothing with --weighting {args.weighting} (no step "
+             "prediction is scored); drop it or use --weighting recast")  # fmt: skip
     if args.gain_shift and args.weighting in ("uniform", "sum"):
         fail("--gain-shift", f"means nothing with --weighting {args.weighting} (no gains in W); "
              "drop it or use --weighting recast")  # fmt: skip
