@@ -64,17 +64,21 @@ def main(argv: list[str] | None = None) -> None:
         sizes = []
     if not sizes or any(not 1 <= px < TOY_PX for px in sizes):
         ap.exit(2, f"score_size.py: error: --sizes: a comma-separated list of sizes in [1, "
-                f"{TOY_PX}) px (the toy world's images are {TOY_PX} px), got {a.sizes!r}\n")  # fmt: skip
+                f"{TOY_PX}) px (the toy world's size), got {a.sizes!r}\n")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         runs = {s: scored(s, sizes, tmp) for s in range(a.seeds)}
     names = runs[0][0]
     full = {s: r[1][0] for s, r in runs.items()}
     floor = [float((full[x][0] - full[y][0]).abs().sum())
              for x, y in itertools.combinations(range(a.seeds), 2)]  # fmt: skip
-    print(f"\nstep scoring at --score-size PX against full size ({TOY_PX} px), same rollout "
-          f"(--profile --lambda {LAM}, base model, seeds 0-{a.seeds - 1}):\n")
-    print("| --score-size | Σ\\|W_PX − W_full\\| per seed | mean | largest | per reward (mean "
-          "row L1: " + ", ".join(names) + ") | gains' relative L1 change (mean) |")
+    print(
+        f"\nstep scoring at --score-size PX against full size ({TOY_PX} px), same rollout "
+        f"(--profile --lambda {LAM}, base model, seeds 0-{a.seeds - 1}):\n"
+    )
+    print(
+        "| --score-size | Σ\\|W_PX − W_full\\| per seed | mean | largest | per reward (mean "
+        "row L1: " + ", ".join(names) + ") | gains' relative L1 change (mean) |"
+    )
     print("|---|---|---|---|---|---|")
     for px in sizes:
         moves, rows, gains = [], [], []
@@ -84,8 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((W - W0).abs().sum(1))
             gains.append(float((g - g0).abs().sum() / g0.abs().sum()))
         per_reward = ", ".join(f"{x:.3f}" for x in torch.stack(rows).mean(0).tolist())
-        print(f"| {px} | {', '.join(f'{m:.3f}' for m in moves)} | {statistics.fmean(moves):.3f} "
-              f"| {max(moves):.3f} | {per_reward} | {statistics.fmean(gains):.3f} |")
+        print(
+            f"| {px} | {', '.join(f'{m:.3f}' for m in moves)} | {statistics.fmean(moves):.3f} "
+            f"| {max(moves):.3f} | {per_reward} | {statistics.fmean(gains):.3f} |"
+        )
     print(f"\nnoise floor, Σ|W_full(seed a) − W_full(seed b)| over {len(floor)} pairs: mean "
           f"{statistics.fmean(floor):.3f}, smallest {min(floor):.3f}; a tenth of the mean "
           f"{statistics.fmean(floor) / 10:.3f} (the decision rule's bound)")  # fmt: skip
