@@ -1038,8 +1038,8 @@ def lines(report: dict) -> list[str]:
            f"{' --grad-checkpointing' if a['grad_checkpointing'] else ''}"
            f"{' --shard' if a.get('shard') else ''} --rewards "
            f"{','.join(report['rewards'])}{judges}{guidance} --kl-coef {a['kl_coef']:g} "
-           f"--gain-frac {a['gain_frac']:.4g} --score-precision "
-           f"{a['score_precision']}")  # fmt: skip
+           f"--gain-frac {a['gain_frac']:.4g} --score-precision {a['score_precision']}"
+           f"{' --score-size ' + str(a['score_size']) if a.get('score_size') else ''}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
          f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
          f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",

@@ -468,14 +468,18 @@ def by_precision(flops: dict, names) -> dict:
 def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> dict:
     """{phase: {precision: FLOPs}} of one epoch of run `r` (resolution, steps, prompts,
     group_size, train_frac, kl_coef, gain_frac, gain_every, score_precision, grad_checkpointing,
-    eval_images, eval: whether this epoch evaluates). `amortised` spreads step scoring over
-    --gain-every epochs instead of charging the epochs that score."""
+    eval_images, eval: whether this epoch evaluates; optionally reward_flops, the rewards' FLOPs
+    per image by precision, and step_reward_flops, theirs at --score-size). `amortised` spreads
+    step scoring over --gain-every epochs instead of charging the epochs that score."""
     res, T, P, G = r["resolution"], r["steps"], r["prompts"], r["group_size"]
     n, fwd, bwd = P * G, cf[f"transformer_fwd@{res}"], cf[f"transformer_bwd@{res}"]
     # the rewards' FLOPs per image by precision: paper1's CLIPs in fp32, or r["reward_flops"]
     # (paper2_reward_flops: its VLM's in bf16, as rewards.VLM loads it on a GPU)
     per = r.get("reward_flops") or {"fp32": sum(reward_flops(cf).values())}
-    vae, rew = cf[f"vae_decode@{res}"], sum(per.values())
+    # --score-size: the step predictions' rewards at the reduced size (r["step_reward_flops"],
+    # paper2_flops at that size; the decode stays full size, the resize is elementwise)
+    step = r.get("step_reward_flops") or per
+    vae, rew = cf[f"vae_decode@{res}"], sum(step.values())
     text = cf["text"] if "text" in cf else cf["clip_l_text"] + cf["clip_g_text"] + cf["t5xxl"]
     from plumbing import cli
 
@@ -489,8 +493,8 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
     per_pair = fwd + bwd + fwd * (1 + bool(r["grad_checkpointing"]) + (r["kl_coef"] > 0))
     E = r["eval_images"] if r.get("eval", False) else 0
 
-    def rewards_at(k: float) -> dict:  # k images through every reward, by precision
-        return {p: k * v for p, v in per.items() if v}
+    def rewards_at(k: float, flops: dict = per) -> dict:  # k images through every reward
+        return {p: k * v for p, v in flops.items() if v}  # by precision
 
     steps = scored * (T - 1)
     return {
@@ -499,7 +503,7 @@ def phase_flops(cf: dict, r: dict, epoch: int = 2, amortised: bool = False) -> d
         "recast": (
             {"bf16": steps * (vae + rew)}
             if r.get("score_precision", "fp32") == "bf16"
-            else {"tf32": steps * vae, **rewards_at(steps)}
+            else {"tf32": steps * vae, **rewards_at(steps, step)}
         ),
         "update": {"bf16": pairs * per_pair + P * text},
         "eval": {
@@ -1244,20 +1248,34 @@ def print_cost_model() -> None:
     print_shard_costs(c, fams, r512, r1024)
 
 
-PAPER2_SETTINGS = ((0.125, 1), (0.0625, 1), (0.03125, 1), (0.125, 2), (0.125, 4), (0.0625, 2))
-# (--gain-frac, --gain-every) of 32 prompts under bf16 scoring; the first is today's default
+PAPER2_SETTINGS = (
+    (0.125, 1, 0),
+    (0.0625, 1, 0),
+    (0.03125, 1, 0),
+    (0.125, 2, 0),
+    (0.125, 4, 0),
+    (0.0625, 2, 0),
+    (0.125, 1, 384),
+    (0.125, 1, 256),
+    (0.125, 1, 128),
+)  # (--gain-frac, --gain-every, --score-size) of 32 prompts in bf16; the first: today's default
+SCORE_SIZES = sorted({px for *_, px in PAPER2_SETTINGS if px})
 
 
-def paper2_shares(cf: dict, r: dict, per_image: dict) -> list[dict]:
+def paper2_shares(cf: dict, r: dict, flops: dict, settings=PAPER2_SETTINGS) -> list[dict]:
     """ReCAST's modelled share of a paper2 epoch (step scoring amortised over --gain-every, no
-    eval) for each of PAPER2_SETTINGS: of the FLOPs and of the time at the H100/H200 data
-    sheet's peaks, and the recast epoch over the uniform one (which scores no step)."""
-    rows, rates = [], peak_rates("H100/H200 SXM")
-    base = {**r, "reward_flops": by_precision(per_image, PAPER2), "eval": False}
+    eval) for each (--gain-frac, --gain-every, --score-size) of `settings`: of the FLOPs and of
+    the time at the H100/H200 data sheet's peaks, and the recast epoch over the uniform one
+    (which scores no step). `flops`: paper2_flops at r's resolution and every --score-size (a
+    size at or above the resolution changes nothing)."""
+    rows, rates, res = [], peak_rates("H100/H200 SXM"), r["resolution"]
+    base = {**r, "reward_flops": by_precision(flops[res], PAPER2), "eval": False}
     uniform = modelled_seconds(phase_flops(cf, {**base, "weighting": "uniform"}), rates)
-    for frac, every in PAPER2_SETTINGS:
-        setting = {"gain_frac": frac, "gain_every": every, "score_precision": "bf16"}
-        f = phase_flops(cf, {**base, **setting}, amortised=True)
+    for frac, every, px in settings:
+        step = by_precision(flops[min(px, res) if px else res], PAPER2)
+        setting = {"gain_frac": frac, "gain_every": every, "score_size": px}
+        f = phase_flops(cf, {**base, **setting, "score_precision": "bf16",
+                             "step_reward_flops": step}, amortised=True)  # fmt: skip
         fl, sec = total(f), modelled_seconds(f, rates)
         rows.append({**setting, "flop_share": fl["recast"] / sum(fl.values()),
                      "time_share_at_peak": sec["recast"] / sum(sec.values()),
@@ -1267,26 +1285,159 @@ def paper2_shares(cf: dict, r: dict, per_image: dict) -> list[dict]:
 
 
 def print_paper2_costs(cf: dict, r512: dict, r1024: dict) -> None:
-    """paper2's rewards and judges per scored image, and ReCAST's share of a paper2 epoch."""
+    """paper2's rewards and judges per scored image, ReCAST's share of a paper2 epoch, and the
+    trade-off table of its share against the gains' noise measured in the toy world."""
     from plumbing import cli
 
-    flops = paper2_flops(cf, (512, 1024))
-    print("paper2's rewards and judges, GFLOP per scored image (512 px, 1024 px; the VLMs at the "
-          "image token counts their image processors make):")  # fmt: skip
+    flops = paper2_flops(cf, (512, 1024, *SCORE_SIZES))
+    sizes = (512, 1024, *SCORE_SIZES)
+    print("paper2's rewards and judges, GFLOP per scored image (at " + ", ".join(
+        f"{px} px" for px in sizes) + "; the VLMs at the image token counts their image "
+        "processors make):")  # fmt: skip
     for name in (*PAPER2, *PAPER2_JUDGES):
-        print(f"  {name:<12} {flops[512][name] / 1e9:10.1f} {flops[1024][name] / 1e9:10.1f}")
+        print(f"  {name:<12}" + "".join(f" {flops[px][name] / 1e9:10.1f}" for px in sizes))
     for name, r in (("512 px", r512), ("1024 px, --grad-checkpointing", r1024)):
-        rows = paper2_shares(cf, r, flops[r["resolution"]])
+        rows = paper2_shares(cf, r, flops)
         print(
             f"ReCAST's modelled share of a paper2 epoch at {name} ({r['prompts']} prompts, no "
-            "eval; the first row is today's scoring default), at the H100/H200 peaks:"
+            "eval, bf16 step scoring; the first row is today's scoring default; --score-size 0: "
+            "off), at the H100/H200 peaks:"
         )
-        print("  --gain-frac  groups --gain-every  FLOP share  time share  epoch s  recast/uniform")
+        print("  --gain-frac  groups --gain-every --score-size  FLOP share  time share  epoch s"
+              "  recast/uniform")  # fmt: skip
         for x in rows:
             groups = cli.scored_groups(x["gain_frac"], r["prompts"])
             print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} "
-                  f"{x['flop_share']:>10.1%} {x['time_share_at_peak']:>11.1%} "
-                  f"{x['epoch_s_at_peak']:>8.1f} {x['over_uniform']:>15.3f}")  # fmt: skip
+                  f"{x['score_size']:>12} {x['flop_share']:>10.1%} "
+                  f"{x['time_share_at_peak']:>11.1%} {x['epoch_s_at_peak']:>8.1f} "
+                  f"{x['over_uniform']:>15.3f}")  # fmt: skip
+    print_tradeoff(cf, r512, flops)
+
+
+# The trade-off: ReCAST's share (this cost model) beside the gains' noise, measured in the toy
+# world by two studies whose output files are read here (their commands print them)
+SCORING_TABLE = ROOT / "docs" / "scoring" / "table.md"
+SCORING_COMMAND = "python studies/comparison.py report --study scoring"
+SCORE_SIZE_TABLE = ROOT / "docs" / "scoring" / "score_size.md"
+SCORE_SIZE_COMMAND = "python studies/score_size.py --seeds 5"
+TOY_PROMPTS, TOY_PX = 16, 32  # the scoring study's prompt groups an epoch; the toy images' size
+TRADEOFF = (
+    (0.5, 1, 0),
+    (0.25, 1, 0),
+    (0.125, 1, 0),
+    (0.0625, 1, 0),
+    (0.5, 2, 0),
+    (0.125, 1, 384),
+    (0.125, 1, 256),
+    (0.125, 1, 128),
+)  # (--gain-frac, --gain-every, --score-size) of 32 prompts: each has a toy-world measurement
+
+
+def read_scoring_study(path: Path = SCORING_TABLE) -> dict:
+    """From the scoring study's report (SCORING_COMMAND's table.md): {"w_error": {arm: mean
+    Σ|W − W_full| over the epochs}, "floor": full scoring's seed-to-seed mean, "vs_full": {arm:
+    its final λ-weighted gap − full scoring's, paired, and the verdict}}; {} without the file."""
+    import re
+
+    if not path.is_file():
+        return {}
+    out = {"w_error": {"recast-frac1": 0.0}, "floor": None, "vs_full": {"recast-frac1": "(itself)"}}
+    for line in path.read_text().splitlines():
+        if m := re.fullmatch(r"- λ = [\d.,]+, (recast-[\w.]+): .*; mean ([\d.]+)", line):
+            out["w_error"][m[1]] = float(m[2])
+        elif m := re.fullmatch(r"- λ = [\d.,]+, the noise floor .*: mean ([\d.]+)", line):
+            out["floor"] = float(m[1])
+        elif m := re.fullmatch(r"- cheaper scoring against full scoring, λ = [\d.,]+: "
+                               r"(recast-[\w.]+) − recast-frac1 = (.+)", line):  # fmt: skip
+            out["vs_full"][m[1]] = m[2]
+    return out
+
+
+def read_score_size_study(path: Path = SCORE_SIZE_TABLE) -> dict:
+    """From studies/score_size.py's output (SCORE_SIZE_COMMAND's score_size.md): {"move": {px:
+    mean Σ|W_px − W_full|}, "largest": {px: the largest seed's}, "floor": the seed-to-seed mean,
+    "smallest": the smallest seed pair's}; {} without the file."""
+    import re
+
+    if not path.is_file():
+        return {}
+    out = {"move": {}, "largest": {}, "floor": None, "smallest": None}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0].isdigit():
+            out["move"][int(cells[0])], out["largest"][int(cells[0])] = map(float, cells[2:4])
+        elif m := re.match(r"noise floor, .*: mean ([\d.]+), smallest ([\d.]+)", line):
+            out["floor"], out["smallest"] = float(m[1]), float(m[2])
+    return out
+
+
+def toy_arm(frac: float, every: int, prompts: int) -> str | None:
+    """The scoring study's arm that scores as many groups an epoch as `frac` of `prompts` (the
+    study's carry rule: W's error follows the number of groups scored; both worlds' groups are
+    8 images), or None where it ran none."""
+    from plumbing import cli
+
+    toy = cli.scored_groups(frac, prompts) / TOY_PROMPTS
+    if every == 1 and toy <= 1:
+        return f"recast-frac{toy:g}"
+    return "recast-every2" if (every, toy) == (2, 1) else None
+
+
+def tradeoff_rows(cf: dict, r: dict, flops: dict, scoring: dict, sizes: dict) -> list[dict]:
+    """Per setting of TRADEOFF: ReCAST's modelled share of r's paper2 epoch, the toy arm that
+    measured it, its W error and outcome against full scoring (the scoring study), and, with
+    --score-size, the toy size of the same fraction of the side and its W move (studies/
+    score_size.py)."""
+    rows = []
+    for x in paper2_shares(cf, r, flops, TRADEOFF):
+        arm = toy_arm(x["gain_frac"], x["gain_every"], r["prompts"])
+        px = round(x["score_size"] * TOY_PX / r["resolution"]) if x["score_size"] else 0
+        rows.append({**x, "arm": arm, "w_error": scoring.get("w_error", {}).get(arm),
+                     "vs_full": scoring.get("vs_full", {}).get(arm), "toy_px": px,
+                     "size_move": sizes.get("move", {}).get(px) if px else None})  # fmt: skip
+    return rows
+
+
+def three(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def print_tradeoff(cf: dict, r: dict, flops: dict) -> None:
+    """The trade-off table: ReCAST's share of a paper2 512 px epoch beside the gains' noise the
+    toy world measured for the same number of groups (and, with --score-size, the same fraction
+    of the side), each column's source named."""
+    from plumbing import cli
+
+    scoring, sizes = read_scoring_study(), read_score_size_study()
+    print(
+        f"The trade-off, ReCAST's share of a paper2 epoch at {r['resolution']} px against the "
+        "gains' noise measured in the toy world (W error: mean Σ|W − W_full| over a trained "
+        "run's 20 epochs, same seed; the arm scoring as many groups of 8 an epoch, of its 16):"
+    )
+    print("  --gain-frac  groups --gain-every --score-size  time share  toy arm            "
+          "W error  final gap − full scoring   toy px  W move")  # fmt: skip
+    for x in tradeoff_rows(cf, r, flops, scoring, sizes):
+        groups = cli.scored_groups(x["gain_frac"], r["prompts"])
+        move = "" if not x["toy_px"] else three(x["size_move"])
+        print(f"  {x['gain_frac']:>11} {groups:>7} {x['gain_every']:>12} {x['score_size']:>12} "
+              f"{x['time_share_at_peak']:>11.1%}  {x['arm'] or '–':<18} {three(x['w_error']):>7}"
+              f"  {x['vs_full'] or '–':<24} {x['toy_px'] or '':>6}  {move:>6}")  # fmt: skip
+    print(f"  noise floors: full scoring's W, seed against seed, same epoch of a trained run: "
+          f"{three(scoring.get('floor'))}; one base-model epoch's W (--profile), seed against "
+          "seed: "
+          f"mean {three(sizes.get('floor'))}, smallest {three(sizes.get('smallest'))}")  # fmt: skip
+    print(f"  sources: time share: this cost model; W error, final gap and the first floor: "
+          f"`{SCORING_COMMAND}` ({SCORING_TABLE.relative_to(ROOT)}"
+          f"{'' if scoring else ': not found'}); W move (--score-size's, one base-model epoch, "
+          f"mean of seeds, the toy images resized to toy px and back) and the second floor: "
+          f"`{SCORE_SIZE_COMMAND}` ({SCORE_SIZE_TABLE.relative_to(ROOT)}"
+          f"{'' if sizes else ': not found'})")  # fmt: skip
+    print(
+        "  what transfers: the number of groups scored (8 images each in both worlds) and the "
+        "fraction of the side; what does not: the toy rewards are hand-written pixel measures, "
+        "not CLIPs and a 7B VLM, and a --score-size row's W error is its arm's without the "
+        "resize, the W move being measured apart (one base-model epoch, not a trained run)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
