@@ -968,6 +968,12 @@ BAD_INPUT = [
         "--gain-shift",
     ),
     (["--lambda", "0.4,0.2,0.2,0.2", "--gain-shift", "1", "--weighting", "sum"], "--gain-shift"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--score-size", "-1"], "--score-size"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--score-size", "half"], "--score-size"),
+    (
+        ["--lambda", "0.4,0.2,0.2,0.2", "--score-size", "16", "--weighting", "uniform"],
+        "--score-size",
+    ),  # fmt: skip
     (["--lambda", "0.4,0.2,0.2", "--rewards", "toy2"], "--lambda"),  # the preset has four
     (["--lambda", "0.4,0.2,0.2,0.2", "--normalize", "global"], "--normalize"),
     (
@@ -1107,6 +1113,63 @@ def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch)
         assert steps == [precision == "bf16"] * 9
     diff = (gains["bf16"] - gains["fp32"]).abs().sum()
     assert 0 < diff < 0.1 * gains["fp32"].abs().sum()  # bf16 changes the scores, a little
+
+
+def test_score_size_resizes_the_step_predictions_only(tmp_path, monkeypatch):
+    """--score-size 16: each of the 3 scored step predictions (T = 4) is resized (area to 16 px and, the
+    toy rewards measuring in the world's pixels, back to 32); the final images, which train, are
+    scored as they are, to the bit the same scores as without it; the gains move."""
+    import harness
+    import recast
+
+    calls, shrunk, real_score, real_shrink = [], [], recast.score_all, harness.shrink
+
+    def score_spy(fns, images, prompts):
+        scores = real_score(fns, images, prompts)
+        calls.append(scores)
+        return scores
+
+    def shrink_spy(images, px, back=False):
+        shrunk.append((px, back))
+        return real_shrink(images, px, back)
+
+    monkeypatch.setattr(recast, "score_all", score_spy)
+    monkeypatch.setattr(harness, "shrink", shrink_spy)
+    runs = {}
+    for px in ("0", "16"):
+        calls.clear(), shrunk.clear()
+        out = tmp_path / px
+        recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "2", "--steps",
+                     "4", "--group-size", "4", "--score-size", px, "--out", str(out)])  # fmt: skip
+        p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 4, 8)
+        assert shrunk == [(int(px), True)] * 3  # the 3 step predictions (step 0's is not scored)
+        runs[px] = list(calls), torch.tensor(p["gains"])
+    (full, g_full), (small, g_small) = runs["0"], runs["16"]
+    assert len(full) == len(small) == 4
+    assert torch.equal(full[0], small[0])  # the final images' scores: what trains
+    assert all(not torch.equal(a, b) for a, b in zip(full[1:], small[1:], strict=True))
+    assert (g_small - g_full).abs().sum() > 0
+
+
+def test_shrink_resizes_by_area_to_the_long_side():
+    """harness.shrink: at most px on the long side, the aspect kept, each output pixel the mean of
+    the input pixels it covers; back=True returns to the input's size; px 0, or no smaller than
+    the image, returns the images themselves. A diffusers run's step images stay small (a reward
+    model's processor reads them), a toy run's come back to the world's size."""
+    from types import SimpleNamespace
+
+    import harness
+
+    x = torch.rand(2, 3, 64, 48) * 2 - 1
+    small = harness.shrink(x, 16)
+    assert small.shape == (2, 3, 16, 12)
+    assert torch.allclose(small, x.unflatten(2, (16, 4)).unflatten(4, (12, 4)).mean((3, 5)))
+    assert harness.shrink(x, 16, back=True).shape == x.shape
+    assert harness.shrink(x, 0) is x and harness.shrink(x, 64) is x
+    world = SimpleNamespace(decode=lambda z: z)
+    for model, shape in (("org/sd3", (2, 3, 16, 12)), ("toy", (2, 3, 64, 48))):
+        run = SimpleNamespace(world=world, args=SimpleNamespace(score_size=16, model=model))
+        assert harness.Run.decode_step(run, x).shape == shape, model
 
 
 def test_uniform_weighting_scores_no_step_prediction(tmp_path, monkeypatch):

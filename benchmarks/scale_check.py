@@ -1321,6 +1321,8 @@ SCORING_COMMAND = "python studies/comparison.py report --study scoring"
 SCORE_SIZE_TABLE = ROOT / "docs" / "scoring" / "score_size.md"
 SCORE_SIZE_COMMAND = "python studies/score_size.py --seeds 5"
 TOY_PROMPTS, TOY_PX = 16, 32  # the scoring study's prompt groups an epoch; the toy images' size
+SCORING_ARMS = ("recast-frac1", "recast-frac0.5", "recast-frac0.25", "recast-frac0.125",
+                "recast-every2")  # the scoring study's ReCAST arms (docs/results.md)  # fmt: skip
 TRADEOFF = (
     (0.5, 1, 0),
     (0.25, 1, 0),
@@ -1378,9 +1380,8 @@ def toy_arm(frac: float, every: int, prompts: int) -> str | None:
     from plumbing import cli
 
     toy = cli.scored_groups(frac, prompts) / TOY_PROMPTS
-    if every == 1 and toy <= 1:
-        return f"recast-frac{toy:g}"
-    return "recast-every2" if (every, toy) == (2, 1) else None
+    arm = f"recast-frac{toy:g}" if every == 1 else f"recast-every{every}" if toy == 1 else None
+    return arm if arm in SCORING_ARMS else None
 
 
 def tradeoff_rows(cf: dict, r: dict, flops: dict, scoring: dict, sizes: dict) -> list[dict]:

@@ -312,6 +312,83 @@ def test_paper2_rewards_are_counted_per_image_at_their_precision():
     assert small >= lm * (16 + 4) and large >= lm * (16 + 16) and large > small
 
 
+def test_score_size_counts_the_step_scoring_at_the_reduced_size():
+    """--score-size: the step scoring's rewards cost their FLOPs at the reduced size
+    (step_reward_flops), the final scoring keeps the full size's; the decode is full size either
+    way. paper2_shares reads each setting's size from `flops` (a size at or above the
+    resolution changes nothing), and a smaller size lowers ReCAST's share."""
+    cf = {"transformer_fwd@512": 2.0, "transformer_bwd@512": 3.0, "vae_decode@512": 5.0,
+          "text": 1.0}  # fmt: skip
+    r = {**sc.FULL_RUN, "train_frac": 0.5, "gain_frac": 1.0, "gain_every": 1,
+         "grad_checkpointing": False, "reward_flops": {"fp32": 0.5, "bf16": 7.0},
+         "step_reward_flops": {"fp32": 0.25, "bf16": 2.0}}  # fmt: skip
+    f = sc.phase_flops(cf, r, epoch=1)
+    n, T = 64, 10
+    assert f["score"] == {"tf32": n * 5.0, "fp32": n * 0.5, "bf16": n * 7.0}
+    assert f["recast"] == {"tf32": n * (T - 1) * 5.0, "fp32": n * (T - 1) * 0.25,
+                           "bf16": n * (T - 1) * 2.0}  # fmt: skip
+    bf16 = sc.phase_flops(cf, {**r, "score_precision": "bf16"}, epoch=1)["recast"]
+    assert bf16 == {"bf16": n * (T - 1) * (5.0 + 2.25)}
+    per = lambda vqa: {"pickscore": 1.0, "ocr": 1.0, "vqa": vqa, "aesthetic": 1.0}  # noqa: E731
+    flops = {512: per(40.0), 256: per(10.0)}
+    run = {**r, "prompts": 32, "eval_images": 0}
+    rows = sc.paper2_shares(cf, run, flops, ((0.125, 1, 0), (0.125, 1, 256), (0.125, 1, 512)))
+    off, small, same = (x["time_share_at_peak"] for x in rows)
+    assert small < off and same == off
+    assert [x["score_size"] for x in rows] == [0, 256, 512]
+
+
+SCORING_REPORT = """\
+W's L1 distance from full scoring's W in the same seed (mean over seeds), by epoch:
+
+- λ = 0.4,0.2,0.2,0.2, recast-frac0.5: epoch 1 0.104, epoch 20 0.046; mean 0.061
+- λ = 0.4,0.2,0.2,0.2, recast-every2: epoch 1 0.000, epoch 20 0.063; mean 0.068
+- λ = 0.4,0.2,0.2,0.2, the noise floor (full scoring, seed against seed, every epoch): mean 0.123
+- cheaper scoring against full scoring, λ = 0.4,0.2,0.2,0.2: recast-frac0.5 − recast-frac1 = \
+-0.000 ± 0.000, tie
+- recast-frac0.5 − uniform, gap/position: 0 win, 0 tie, 1 loss (-0.009 ± 0.003 loss)
+"""
+
+
+def test_the_trade_off_reads_both_studies_and_pairs_each_setting_with_its_toy_arm(tmp_path):
+    """The trade-off table's toy columns come from the studies' own output: the scoring study's
+    per-arm mean W error, floor and paired outcome (its report's lines), studies/score_size.py's
+    mean W move per size and its floor; a missing file reads as {}. Each SD3 setting of 32
+    prompts pairs with the arm scoring as many groups of 16, and a --score-size with the toy
+    size of the same fraction of the side. The committed files hold every arm and size the
+    table names."""
+    path = tmp_path / "table.md"
+    path.write_text(SCORING_REPORT)
+    got = sc.read_scoring_study(path)
+    assert got["w_error"] == {"recast-frac1": 0.0, "recast-frac0.5": 0.061,
+                              "recast-every2": 0.068}  # fmt: skip
+    assert got["floor"] == 0.123 and got["vs_full"]["recast-frac0.5"] == "-0.000 ± 0.000, tie"
+    sizes = tmp_path / "score_size.md"
+    sizes.write_text("| --score-size | per seed | mean | largest | rows | gains |\n|---|\n"
+                     "| 16 | 0.1, 0.2 | 0.150 | 0.200 | 0.1 | 0.3 |\n\nnoise floor, "
+                     "Σ|W_full(seed a) − W_full(seed b)| over 1 pairs: mean 0.180, smallest "
+                     "0.141; a tenth of the mean 0.018\n")  # fmt: skip
+    assert sc.read_score_size_study(sizes) == {"move": {16: 0.15}, "largest": {16: 0.2},
+                                               "floor": 0.18, "smallest": 0.141}  # fmt: skip
+    assert sc.read_scoring_study(tmp_path / "none") == {} == sc.read_score_size_study(tmp_path)
+    assert [sc.toy_arm(f, e, 32) for f, e, _ in sc.TRADEOFF] == [
+        "recast-frac1", "recast-frac0.5", "recast-frac0.25", "recast-frac0.125", "recast-every2",
+        *["recast-frac0.25"] * 3]  # fmt: skip
+    assert sc.toy_arm(0.125, 2, 32) is None and sc.toy_arm(0.03125, 1, 32) is None
+    cf = {"transformer_fwd@512": 2.0, "transformer_bwd@512": 3.0, "vae_decode@512": 5.0,
+          "text": 1.0}  # fmt: skip
+    r = {**sc.FULL_RUN, "prompts": 32, "train_frac": 0.5, "grad_checkpointing": False,
+         "gain_frac": 0.125, "gain_every": 1, "score_precision": "bf16",
+         "eval_images": 0}  # fmt: skip
+    per = {"pickscore": 1.0, "ocr": 1.0, "vqa": 4.0, "aesthetic": 1.0}
+    flops = {px: per for px in (512, *sc.SCORE_SIZES)}
+    rows = sc.tradeoff_rows(cf, r, flops, sc.read_scoring_study(), sc.read_score_size_study())
+    for x in rows:
+        assert x["w_error"] is not None and x["vs_full"], x
+        assert (x["toy_px"], x["size_move"] is None) in ((0, True), (x["toy_px"], False)), x
+    assert [x["toy_px"] for x in rows if x["score_size"]] == [24, 16, 8]
+
+
 def test_reward_timing_scores_one_image_per_reward_on_tiny_configurations():
     """--reward-timing's CPU path: each kind of model reward (EasyOCR's real scorer on random
     weights, ImageReward's, a VLM's forward) is built, scores one image, and is timed."""
