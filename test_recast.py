@@ -1116,9 +1116,9 @@ def test_bf16_scoring_autocasts_the_step_predictions_only(tmp_path, monkeypatch)
 
 
 def test_score_size_resizes_the_step_predictions_only(tmp_path, monkeypatch):
-    """--score-size 16: each of the 3 scored step predictions (T = 4) is resized (area to 16 px and, the
-    toy rewards measuring in the world's pixels, back to 32); the final images, which train, are
-    scored as they are, to the bit the same scores as without it; the gains move."""
+    """--score-size 16: each of the 3 scored step predictions (T = 4) is resized (area to 16 px
+    and, the toy rewards measuring in the world's pixels, back to 32); the final images, which
+    train, are scored as they are, to the bit the same scores as without it; the gains move."""
     import harness
     import recast
 

@@ -389,6 +389,19 @@ def test_every_model_reward_and_judge_is_planned_from_its_configuration(tiny):
     assert wide["peaks"]["score"]["activations"] > judged["peaks"]["score"]["activations"]
 
 
+@pytest.mark.slow
+def test_score_size_plans_the_step_scoring_at_the_reduced_size(tiny):
+    """--score-size 32 of a 64 px run: the step predictions reach the rewards at 32 px, so vqa
+    (its image processor making 4 merged tokens of a 64 px image, 1 of a 32 px one) plans less
+    for step scoring; the final scoring, at 64 px, plans the same; the command line names it."""
+    vqa = {"min_pixels": 28 * 28, "max_pixels": 56 * 56}
+    flags = [*PAPER2_TINY, *tiny_reward_flags(tiny["root"], vqa=vqa), "--resolution", "64"]
+    full, small = plan(tiny, *flags), plan(tiny, *flags, "--score-size", "32")
+    assert small["peaks"]["recast"]["activations"] < full["peaks"]["recast"]["activations"]
+    assert small["peaks"]["score"] == full["peaks"]["score"]
+    assert small["settings"]["score_size"] == 32 and full["settings"]["score_size"] == 0
+
+
 def test_a_vlm_reads_its_images_at_the_token_counts_of_its_image_processor():
     """The real configurations: vqa's Qwen2.5-VL reads a 512 px image at 504 px (18 × 18 merged
     tokens) and a 1024 px one at 1036 px (37 × 37); HPSv3 reads any square image at 448 px (256
