@@ -47,7 +47,10 @@ What it does
    throughput measured on this machine (bf16 for the transformer and text encoders under
    autocast, TF32 for the fp32 VAE's convolutions, fp32 for the reward models), and measured ÷
    modelled per phase. `--cost-model` prints it alone (no device, no models built), with
-   ReCAST's modelled share for several --gain-frac / --gain-every, and --shard's communication
+   ReCAST's modelled share for several --gain-frac / --gain-every (and, with paper2's rewards,
+   --score-size), the trade-off table that sets each share beside the gains' noise the toy world
+   measured (read from docs/scoring/: the scoring study's and studies/score_size.py's output),
+   and --shard's communication
    on one node of 8 GPUs (NVLink) and on 4 nodes of 8 (InfiniBand between them: HSDP's mesh
    against a flat one).
 Writes OUT/scale_check.md: the report in markdown, and every figure again in a ```json block at
