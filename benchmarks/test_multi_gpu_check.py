@@ -124,26 +124,25 @@ def test_comparisons_pass_within_tolerance_and_fail_beyond(tmp_path):
     assert ok and not any(r[0].startswith("LoRA") for r in rows)
 
 
-@pytest.fixture(scope="module")
-def check_on_cpu(tmp_path_factory) -> tuple[dict, str, Path]:
-    """`python benchmarks/multi_gpu_check.py --gpus 2 --device cpu`: (its report.json, its
-    report.md, the folder)."""
-    out = tmp_path_factory.mktemp("mgc") / "out"
-    done = subprocess.run([sys.executable, "benchmarks/multi_gpu_check.py", "--gpus", "2",
+def check_on_cpu(out: Path, gpus: int) -> tuple[dict, str]:
+    """`python benchmarks/multi_gpu_check.py --gpus N --device cpu`: (its report.json, its
+    report.md)."""
+    done = subprocess.run([sys.executable, "benchmarks/multi_gpu_check.py", "--gpus", str(gpus),
                            "--device", "cpu", "--out", str(out)], cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=2400)  # fmt: skip
+                          text=True, timeout=2400)  # a hang guard only  # fmt: skip
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
-    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), out
+    return json.loads((out / "report.json").read_text()), (out / "report.md").read_text()
 
 
 @pytest.mark.slow
-def test_the_check_runs_end_to_end_on_two_gloo_ranks(check_on_cpu):
+def test_the_check_runs_end_to_end_on_two_gloo_ranks(tmp_path):
     """Every step 2 ranks allow passes: the toy world on 2 ranks equals one process, --shard
     equals DDP, the last rank killed in epoch 2 ends the other within KILL_LIMIT_S naming the
     --resume command, and the run resumed on 1 rank equals the unbroken one; HSDP is skipped,
     saying it needs 4 GPUs. The report holds each comparison's rows and each survivor's lines."""
-    report, text, out = check_on_cpu
+    out = tmp_path / "out"
+    report, text = check_on_cpu(out, 2)
     steps = {s["name"]: s for s in report["steps"]}
     assert list(steps) == ["toy", "shard", "hsdp", "kill", "resume"]
     assert steps["hsdp"]["status"].startswith("skipped: needs 4 GPUs")
@@ -166,3 +165,18 @@ def test_the_check_runs_end_to_end_on_two_gloo_ranks(check_on_cpu):
     assert "| shard | tiny SD3: --shard against DDP on N ranks | passed |" in text
     assert "rank 0: exited" in text and "recast.py: stopped: rank 0 lost contact" in text
     assert (out / "logs" / "sd3_shard.log").is_file()
+
+
+@pytest.mark.slow
+def test_one_rank_runs_the_single_gpu_steps(tmp_path):
+    """--gpus 1, as on a lent one-GPU machine: shard, kill and resume run and pass (the only rank
+    killed: no survivor, a non-zero exit and the checkpoint kept), toy and HSDP are skipped."""
+    report, text = check_on_cpu(tmp_path / "out", 1)
+    steps = {s["name"]: s for s in report["steps"]}
+    assert [n for n, s in steps.items() if s["status"] == "passed"] == ["shard", "kill", "resume"]
+    assert steps["toy"]["status"].startswith("skipped: needs 2 GPUs")
+    assert steps["hsdp"]["status"].startswith("skipped: needs 4 GPUs")
+    kill = steps["kill"]["figures"]
+    assert kill["killed"].startswith("rank 0 ") and kill["survivors"] == {}
+    assert kill["launcher"]["exit"] != 0 and kill["checkpoint kept"].startswith("runs/sd3_killed")
+    assert "- survivors: none (one rank)" in text
