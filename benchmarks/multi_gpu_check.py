@@ -190,14 +190,10 @@ def compare(a_dir: Path, b_dir: Path, tol: Tolerance, epochs: list[int]) -> tupl
     """Rows (metric, the worst epoch, a, b, |a − b|, tolerance, ok): per metric its epoch whose
     difference is largest against its tolerance, over `epochs`, which both runs must hold; then
     the LoRA B matrices of the last epoch's checkpoints, when tol.lora is a number."""
-    from plumbing.checkpoints import read_metrics
+    from plumbing.checkpoints import read_metrics  # skips a torn last line, with a warning
 
-    runs = []
-    for folder in (a_dir, b_dir):
-        found = {m["epoch"]: m for m in read_metrics(str(folder))} if (
-            folder / "metrics.jsonl").is_file() else {}  # fmt: skip
-        runs.append(found)
-    a, b = runs
+    a, b = ({m["epoch"]: m for m in read_metrics(str(d))} if (d / "metrics.jsonl").is_file()
+            else {} for d in (a_dir, b_dir))  # fmt: skip
     missing = [e for e in epochs if e not in a or e not in b]
     if missing:
         return False, [("epochs", "", sorted(a), sorted(b), "missing", str(missing), False)]
@@ -318,8 +314,8 @@ def last_lines(path: Path, n: int) -> list[str]:
     """The last n non-empty lines of a log, progress bars' carriage returns resolved."""
     if not path.is_file():
         return []
-    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in path.read_text(errors="replace")
-             .splitlines()]  # fmt: skip
+    text = path.read_bytes().decode(errors="replace")  # not read_text: it turns \r into \n
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]  # a bar's last frame
     return [line for line in lines if line.strip()][-n:]
 
 
