@@ -276,8 +276,10 @@ def build_models(folder: Path, n: int) -> tuple[list[str], dict]:
     colours, things = ("red", "green", "blue", "gold"), ("cat", "boat", "tree")
     (folder / "prompts.txt").write_text("\n".join(f"a {c} {t}" for c in colours for t in things))
     # --shard evaluates equal shares: held-out prompts × --eval-seeds 2 a multiple of the ranks
+    # (n, and HSDP's 4), and at least one prompt a rank
+    count = math.lcm(max(2, n), 2)
     held = [f"a {c} {t}" for c in ("purple", "silver", "orange") for t in things]
-    held = (held * math.ceil(max(2, n) / len(held)))[: max(2, n)]
+    held = (held * math.ceil(count / len(held)))[:count]
     (folder / "held_out.txt").write_text("\n".join(held) + "\n")
     flags = ["--model", sd3, "--prompts-file", str(folder / "prompts.txt"), "--eval-prompts-file",
              str(folder / "held_out.txt"), *SD3, "--prompts", str(max(2, n))]  # fmt: skip
