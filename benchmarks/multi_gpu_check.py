@@ -443,7 +443,8 @@ def shard_step(check: Check, step: Step, flags: list[str], env: dict, n: int) ->
                                                      str(shard)), env)  # fmt: skip
     ok &= check.run(step, "sd3_ddp", check.torchrun(n, RECAST, *common, "--out", str(ddp)), env)
     same, rows = compare(shard, ddp, TOLERANCES["sd3", check.device], list(range(EPOCHS + 1)))
-    return record_comparison(step, f"--shard, {n} ranks", f"DDP, {n} ranks", same, rows) and ok
+    on = f"{n} rank{'s' * (n > 1)}"
+    return record_comparison(step, f"--shard, {on}", f"DDP, {on}", same, rows) and ok
 
 
 def hsdp_step(check: Check, step: Step, flags: list[str], env: dict) -> bool:
@@ -495,8 +496,9 @@ def resume_step(check: Check, step: Step, env: dict, killed: Path, n: int) -> bo
     reference = check.out / "runs" / "sd3_shard"
     same, rows = compare(killed, reference, TOLERANCES["sd3", check.device],
                          list(range(EPOCHS + 1)))  # fmt: skip
-    return record_comparison(step, f"killed on {n} ranks, resumed on 1",
-                             f"--shard, {n} ranks, unbroken", same, rows) and ok  # fmt: skip
+    on = f"{n} rank{'s' * (n > 1)}"
+    return record_comparison(step, f"killed on {on}, resumed on 1", f"--shard, {on}, unbroken",
+                             same, rows) and ok  # fmt: skip
 
 
 def run_steps(check: Check, n: int) -> list[Step]:
