@@ -169,7 +169,7 @@ def test_the_check_runs_end_to_end_on_two_gloo_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_one_rank_runs_the_single_gpu_steps(tmp_path):
-    """--gpus 1, as on a lent one-GPU machine: shard, kill and resume run and pass (the only rank
+    """--gpus 1, as on a one-GPU machine: shard, kill and resume run and pass (the only rank
     killed: no survivor, a non-zero exit and the checkpoint kept), toy and HSDP are skipped."""
     report, text = check_on_cpu(tmp_path / "out", 1)
     steps = {s["name"]: s for s in report["steps"]}
