@@ -266,7 +266,7 @@ def record_comparison(step: Step, a_name: str, b_name: str, ok: bool, rows: list
 # ---------------------------------------------------------------------------------------------
 def build_models(folder: Path, n: int) -> tuple[list[str], dict]:
     """The tiny SD3 pipeline, tiny reward models and prompt files under `folder`: (recast.py's
-    flags for them, the reward models' environment variables)."""
+    flags for them but --prompts, the reward models' environment variables)."""
     import torch
 
     from benchmarks import modelzoo
@@ -284,7 +284,7 @@ def build_models(folder: Path, n: int) -> tuple[list[str], dict]:
     held = (held * math.ceil(count / len(held)))[:count]
     (folder / "held_out.txt").write_text("\n".join(held) + "\n")
     flags = ["--model", sd3, "--prompts-file", str(folder / "prompts.txt"), "--eval-prompts-file",
-             str(folder / "held_out.txt"), *SD3, "--prompts", str(max(2, n))]  # fmt: skip
+             str(folder / "held_out.txt"), *SD3]  # fmt: skip
     return flags, env
 
 
@@ -452,8 +452,7 @@ def shard_step(check: Check, step: Step, flags: list[str], env: dict, n: int) ->
 def hsdp_step(check: Check, step: Step, flags: list[str], env: dict) -> bool:
     """Step 3: 2 launchers of 2 ranks (GPUs 0-1 and 2-3) as 2 nodes, against a flat mesh of 4."""
     hsdp, flat = check.out / "runs" / "sd3_hsdp", check.out / "runs" / "sd3_flat4"
-    common = [*flags, "--epochs", str(EPOCHS), "--device", check.device, "--shard", "--prompts",
-              "4"]  # fmt: skip
+    common = [*flags, "--epochs", str(EPOCHS), "--device", check.device, "--shard"]
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -521,11 +520,13 @@ def run_steps(check: Check, n: int) -> list[Step]:
         timed(steps["toy"], lambda: toy_step(check, steps["toy"], n))
     tic = time.monotonic()
     flags, models_env = build_models(check.out / "models", n)
+    hsdp_flags = [*flags, "--prompts", "4"]  # a group a rank: --shard's forwards are collectives
+    flags += ["--prompts", str(max(2, n))]
     env = check.environment(**models_env)
     print(f"{PROG}: tiny models built ({time.monotonic() - tic:.0f} s)", flush=True)
     timed(steps["shard"], lambda: shard_step(check, steps["shard"], flags, env, n))
     if steps["hsdp"].status == "to run":
-        timed(steps["hsdp"], lambda: hsdp_step(check, steps["hsdp"], flags, env))
+        timed(steps["hsdp"], lambda: hsdp_step(check, steps["hsdp"], hsdp_flags, env))
     sharded = [*flags, "--device", check.device, "--shard"]
     timed(steps["kill"], lambda: kill_mid_epoch(check, steps["kill"], sharded, env, killed, n))
     timed(steps["resume"], lambda: resume_step(check, steps["resume"], env, killed, n))
