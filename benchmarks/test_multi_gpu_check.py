@@ -1,9 +1,10 @@
 """Tests of benchmarks/multi_gpu_check.py: which steps run for a number of GPUs and why the
 others are skipped; bad input exits 2 naming the flag and writes nothing; the comparisons fail on
-runs that differ; and (slow) the whole check on 2 gloo processes, end to end:
+runs that differ; and (slow) the whole check end to end on 2 gloo processes, and on 1 (the steps
+a one-GPU machine runs):
 
-    python -m pytest -q benchmarks/test_multi_gpu_check.py            # seconds
-    python -m pytest -q -m slow benchmarks/test_multi_gpu_check.py    # + the check on 2 CPU ranks
+    python -m pytest -q benchmarks/test_multi_gpu_check.py           # seconds
+    python -m pytest -q -m slow benchmarks/test_multi_gpu_check.py   # + the two checks: ~8 min
 """
 
 import json
