@@ -48,7 +48,7 @@ B elements of 0.018 on average after step 2's 3 epochs (on 2 gloo processes). Th
 each measured difference beside its tolerance, so the first run can tighten them.
 
 Budget: --budget, default 480 s on CUDA, within a 10-minute command limit; the one-GPU steps took
-155 s on one gloo process of a 2-core CPU and are not yet timed on a GPU. A GPU machine without
+156 s on one gloo process of a 2-core CPU and are not yet timed on a GPU. A GPU machine without
 diffusers and without network needs its wheel brought along (docs/gpu/README.md gives the
 commands). It writes OUT/report.md and OUT/report.json (a summary table, then each step's
 figures and the commands it ran; the runs' logs in OUT/logs) and exits 0 when every step that
