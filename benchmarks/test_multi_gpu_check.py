@@ -4,7 +4,7 @@ runs that differ; and (slow) the whole check end to end on 2 gloo processes, and
 a one-GPU machine runs):
 
     python -m pytest -q benchmarks/test_multi_gpu_check.py           # seconds
-    python -m pytest -q -m slow benchmarks/test_multi_gpu_check.py   # + the two checks: ~8 min
+    python -m pytest -q -m slow benchmarks/test_multi_gpu_check.py   # + the two checks: ~6 min
 """
 
 import json
