@@ -1664,7 +1664,7 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     err = recast_exit(capsys, *one, "--rewards", "ocr")
     assert "error: --rewards" in err and "RECAST_OCR_READER='tesseract'" in err
     assert "choose from easyocr, paddle" in err
-    monkeypatch.delenv("RECAST_OCR_READER")
+    monkeypatch.setenv("RECAST_OCR_READER", "easyocr")  # whose weights RECAST_OCR names
     monkeypatch.setenv("RECAST_OCR", str(tmp_path / "no-ocr-weights"))
     for reward, variable in [
         ("ocr", "RECAST_OCR"),

