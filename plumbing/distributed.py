@@ -430,10 +430,24 @@ def load_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
     parameter without state stays without, as optimizer.load_state_dict leaves it: AdamW makes a
     parameter's state at its first gradient, and some never get one (Qwen-Image's last block
     discards its text stream, so that block's text-side adapters have no gradient), which
-    strict=True (torch's default here) refuses."""
+    strict=True (torch's default here) refuses. set_optimizer_state_dict first gives every
+    parameter a state (one AdamW step on zero gradients at lr 0: its _init_optim_state), and a
+    parameter the checkpoint holds none for kept that one (step 1, zero moments): a resumed run
+    then saved state the unbroken run never made, and a parameter whose first gradient came
+    after the resume would have taken its bias correction from step 2. That made-up state is
+    dropped here."""
     if not sharded:
         return optimizer.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)
+    names = {p: name for name, p in model.named_parameters()}  # the state's keys (full_state_dict)
+    unknown = set(state["state"]) - set(names.values())
+    if unknown:  # names that are not the model's would drop the state of every parameter below
+        raise KeyError(f"the optimizer state names {len(unknown)} parameters the model does not "
+                       f"hold: {sorted(unknown)[:3]}")  # fmt: skip
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if names[p] not in state["state"]:
+                optimizer.state.pop(p, None)

@@ -680,6 +680,53 @@ def test_a_sharded_save_gathers_onto_rank_0_alone(models, tmp_path):
     assert len(optim["state"]) == said[0]["lora"] // 2  # AdamW's state of each trained tensor
 
 
+def _optimizer_worker(rank: int, init_file: str, results) -> None:
+    """One gloo process (a group of 1): two sharded layers, AdamW stepped on gradients of the
+    first only, its state saved as a checkpoint keeps it and loaded into a new AdamW: which
+    parameters have state after the load, and each state's step."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        from plumbing.distributed import load_optimizer_state, optimizer_state, shard_models
+
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        shard_models([model], torch.device("cpu"), "fp32")
+        first = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for p in model.blocks[0].parameters():  # the second layer never gets a gradient
+            p.grad = torch.ones_like(p)
+        first.step()
+        first.zero_grad()  # as the loop leaves them; a resumed run's parameters have none
+        saved = optimizer_state(model, first, sharded=True)
+        second = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        load_optimizer_state(model, second, saved, sharded=True)
+        names = {p: n for n, p in model.named_parameters()}
+        loaded = {names[p]: s["step"].item() for p, s in second.state.items()}
+        results.put({"saved": sorted(saved["state"]), "loaded": loaded})
+    except Exception as e:  # said to the test, which fails naming it
+        import traceback
+
+        results.put({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_resume_gives_no_state_to_a_parameter_without_one(tmp_path):
+    """torch's set_optimizer_state_dict gives every parameter a state before it loads the saved
+    ones (an AdamW step on zero gradients): a parameter the checkpoint holds no state for (one
+    that never had a gradient, as Qwen-Image's last text-side adapters) kept step 1 and zero
+    moments, which the unbroken run never made. load_optimizer_state drops them: after the load
+    only the saved parameters have state, at their saved step."""
+    import torch.multiprocessing as mp
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_optimizer_worker, args=(str(tmp_path / "init"), results), nprocs=1)
+    said = results.get()
+    assert "error" not in said, said
+    assert said["saved"] == ["blocks.0.bias", "blocks.0.weight"]
+    assert said["loaded"] == {"blocks.0.bias": 1.0, "blocks.0.weight": 1.0}
+
+
 def test_shard_needs_torchrun_and_a_diffusers_model(models, tmp_path, capsys, monkeypatch):
     """--shard with the toy world, or with a diffusers model but without torchrun: exit 2 naming
     the flag and the fix, nothing written."""
