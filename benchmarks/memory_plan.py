@@ -916,7 +916,9 @@ def plan(own, args, c: dict, tmp: Path, cpu_form: bool = False, desc: str = "pla
 
 
 def _sharded_worker(rank: int, own, args, c: dict, tmp: Path, out) -> None:
-    """One gloo rank of the sharded allocator check: the same calls under torch.profiler."""
+    """One gloo rank of the sharded allocator check: the same calls under torch.profiler. Each
+    rank builds its pipeline's generated tokenizers in a folder of its own (`tmp`/rank<r>): in one
+    shared folder a rank read a tokenizer file while the other rank was writing it."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -926,7 +928,7 @@ def _sharded_worker(rank: int, own, args, c: dict, tmp: Path, out) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run = make_run(own, args, "cpu", c, tmp, cpu_form=True)
+            run = make_run(own, args, "cpu", c, tmp / f"rank{rank}", cpu_form=True)
             with run["form"]:
                 epoch(run, Marks(), tqdm(disable=True))
     if rank == 0:

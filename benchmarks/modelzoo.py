@@ -407,8 +407,9 @@ def _saved(folder, save) -> None:
     """save(tmp) writes files into a fresh folder beside them, each then renamed into `folder`
     (os.replace): a process that reads `folder` while another writes the same tokenizer into it
     reads each file whole, the old or the new (equal), never one being written. Processes that
-    build one pipeline in a shared folder (memory_plan.py's gloo ranks) read a vocab.json that the
-    other had just truncated: "Error while initializing BPE: EOF while parsing a value"."""
+    built one pipeline in a shared folder (memory_plan.py's gloo ranks, which now build theirs in
+    folders of their own) read a vocab.json that the other had just truncated: "Error while
+    initializing BPE: EOF while parsing a value"."""
     os.makedirs(folder, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".writing-", dir=folder)
     try:

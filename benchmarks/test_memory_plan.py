@@ -171,10 +171,12 @@ print("failed", bad)
 
 
 def test_tokenizers_built_in_one_folder_by_two_processes_are_read_whole(tmp_path):
-    """The sharded check's gloo ranks each build the pipeline, and so its generated tokenizers,
+    """The sharded check's gloo ranks each built the pipeline, and so its generated tokenizers,
     into one folder: a rank read the vocab.json that the other had just truncated ("Error while
     initializing BPE: EOF while parsing a value at line 1 column 0"; before modelzoo._saved, 28
-    and 31 of 150 builds each in two processes). Each file now arrives whole, by a rename."""
+    and 31 of 150 builds each in two processes). The ranks now build theirs in folders of their
+    own (memory_plan._sharded_worker); any processes that share one, as here, read each file
+    whole, for it arrives by a rename."""
     code = BUILD_TOKENIZERS.format(root=str(ROOT), folder_root=str(tmp_path))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,

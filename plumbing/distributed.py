@@ -106,14 +106,24 @@ def nccl_environment() -> dict[str, str]:
 
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     """(rank, device), the process group started under torchrun with startup_timeout (the loop
-    runs with collective_timeout: start_training); seeds set per rank. On nccl its diagnostics
-    are on (nccl_environment), and rank 0 says what a lost rank will print and how to resume."""
+    runs with collective_timeout: start_training); seeds set per rank. On CUDA each rank takes
+    its GPU (LOCAL_RANK) before the group is made, and the group is bound to it (device_id, as
+    torchtitan does): NCCL then sets up its communicator for that GPU at once, instead of at the
+    first collective, and a barrier needs no guess of which GPU is this rank's. On nccl its
+    diagnostics are on (nccl_environment), and rank 0 says what a lost rank will print and how to
+    resume. On the CPU (gloo) the group is made as before, without device_id."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and distributed:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if distributed:
         collective_timeout()  # a bad value exits 2 now, not once the models are loaded
         if use_cuda:
             nccl_environment()  # read when the process group is made
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=startup_timeout())
+        bound = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=startup_timeout(),
+                                **bound)  # fmt: skip
         if use_cuda and dist.get_rank() == 0:  # said now: a lost rank's message will be torch's
             dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", NCCL_DUMP)
             print(f"note: nccl: a collective that fails or times out ends every process from "
@@ -121,10 +131,6 @@ def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
                   f"{dump}<rank>); the newest checkpoint is kept: continue with "
                   f"{resume_command(args.out)} (docs/failure_modes.md#on-nccl)")  # fmt: skip
     rank = dist.get_rank() if distributed else 0
-    device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and distributed:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
     seed_all(args.seed + rank)
     return rank, device
 
@@ -424,10 +430,24 @@ def load_optimizer_state(model, optimizer, state: dict, sharded: bool) -> None:
     parameter without state stays without, as optimizer.load_state_dict leaves it: AdamW makes a
     parameter's state at its first gradient, and some never get one (Qwen-Image's last block
     discards its text stream, so that block's text-side adapters have no gradient), which
-    strict=True (torch's default here) refuses."""
+    strict=True (torch's default here) refuses. set_optimizer_state_dict first gives every
+    parameter a state (one AdamW step on zero gradients at lr 0: its _init_optim_state), and a
+    parameter the checkpoint holds none for kept that one (step 1, zero moments): a resumed run
+    then saved state the unbroken run never made, and a parameter whose first gradient came
+    after the resume would have taken its bias correction from step 2. That made-up state is
+    dropped here."""
     if not sharded:
         return optimizer.load_state_dict(state)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_optimizer_state_dict(model, optimizer, state, options=options)
+    names = {p: name for name, p in model.named_parameters()}  # the state's keys (full_state_dict)
+    unknown = set(state["state"]) - set(names.values())
+    if unknown:  # names that are not the model's would drop the state of every parameter below
+        raise KeyError(f"the optimizer state names {len(unknown)} parameters the model does not "
+                       f"hold: {sorted(unknown)[:3]}")  # fmt: skip
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if names[p] not in state["state"]:
+                optimizer.state.pop(p, None)

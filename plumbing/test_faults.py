@@ -426,6 +426,43 @@ def test_nccl_diagnostics_are_set_where_the_environment_does_not(monkeypatch):
     assert distributed.nccl_environment() == {}  # all set now: nothing more
 
 
+def test_a_cuda_rank_binds_its_process_group_to_its_gpu(monkeypatch):
+    """On CUDA a rank takes its GPU (LOCAL_RANK) first, then makes the nccl group bound to it
+    (init_process_group's device_id, after torch.cuda.set_device); on the CPU the gloo group gets
+    no device_id and no GPU is set. torch.cuda and init_process_group are stand-ins here that
+    record their calls in order (this machine has no GPU); the timeouts are the start-up's."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from plumbing import distributed
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kw: calls.append(("init", backend, kw)))  # fmt: skip
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(distributed, "seed_all", lambda seed: calls.append(("seed", seed)))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RECAST_STARTUP_TIMEOUT", "77")
+    for name in distributed.NCCL_ENVIRONMENT:  # set by init_processes: restored afterwards
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    cuda = torch.device("cuda", 1)
+    rank, device = distributed.init_processes(SimpleNamespace(device="auto", seed=5, out="run"),
+                                              distributed=True)  # fmt: skip
+    startup = distributed.startup_timeout()  # 77 s
+    assert (rank, device) == (1, cuda) and startup.total_seconds() == 77
+    nccl = ("init", "nccl", {"timeout": startup, "device_id": cuda})
+    assert calls == [("set_device", cuda), nccl, ("seed", 6)]
+    calls.clear()
+    rank, device = distributed.init_processes(SimpleNamespace(device="cpu", seed=5, out="run"),
+                                              distributed=True)  # fmt: skip
+    assert (rank, device) == (1, torch.device("cpu"))
+    assert calls == [("init", "gloo", {"timeout": startup}), ("seed", 6)]
+
+
 def _timeouts_worker(rank: int, world: int, port: int, per_node: int, results) -> None:
     """One of `world` gloo ranks, numbered as torchrun numbers `per_node` ranks a node: the
     seconds each of its process groups would wait after init_processes and --shard's mesh, and

@@ -137,12 +137,23 @@ def lora_targets(transformer: torch.nn.Module, suffixes: list[str]) -> list[str]
     return [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and hit(n)]
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A sharded tensor (DTensor) gathered whole on every rank and copied to the host (so that a
-    checkpoint's gather holds one whole tensor on the GPU at a time); any other tensor as it is."""
+def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sharded tensors (DTensors) gathered whole onto rank 0's host, one at a time; every rank
+    must call it, and every other rank gets an empty dict, as torch.distributed.checkpoint's
+    full_state_dict with cpu_offload gives it (only rank 0 writes a checkpoint). Each tensor's
+    gather is an all-gather, so every rank holds one whole tensor on its device while it runs;
+    only rank 0 copies it out. Tensors that are not sharded are returned as they are."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor().cpu() if isinstance(t, DTensor) else t
+    if not any(isinstance(t, DTensor) for t in tensors.values()):
+        return tensors
+    keep, out = dist.get_rank() == 0, {}
+    for k, t in tensors.items():
+        whole = t.full_tensor()  # a collective: every rank, in the same order
+        if keep:
+            out[k] = whole.cpu()
+    return out
 
 
 def _like(whole: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -488,8 +499,9 @@ class DiffusersWorld:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The two adapters, whole, under peft's parameter names (".default." and ".old."). When
-        sharded, every rank must call it: it gathers each tensor's shards, onto the host."""
-        return {k: _whole(p.detach()) for k, p in self.lora.items()}
+        sharded, every rank must call it: each tensor's shards are gathered onto rank 0's host,
+        and the other ranks get an empty dict (_gathered)."""
+        return _gathered({k: p.detach() for k, p in self.lora.items()})
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if set(state) != set(self.lora):

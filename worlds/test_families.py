@@ -12,6 +12,7 @@ arguments to sample CFG-free).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from benchmarks import modelzoo
+from plumbing.test_shard import lora, numbers, torchrun
 from test_recast import main_here
 from worlds import families
 
@@ -367,22 +369,86 @@ def test_export_loads_in_diffusers_and_draws_the_runs_images(variant, tiny_dirs,
     assert (pipe(**call).images.float() - drawn).abs().max() > 100 * EXPORT_ATOL
 
 
+# the matrix's modes: how recast.py is launched, and the flags each adds
+MODES = {"one": (1, []), "ddp": (2, []), "shard": (2, ["--shard"]),
+         "shard-gc": (2, ["--shard", "--grad-checkpointing"])}  # fmt: skip
+MATRIX = ["sd3", "flux-dev", "flux2-klein", "qwen-image"]
+
+
+def launch(mode: str, out: Path, *flags: str, env: dict) -> None:
+    """recast.py with `flags` in `mode`: in this process (one), or on 2 gloo ranks (torchrun)."""
+    ranks, more = MODES[mode]
+    if ranks == 1:
+        main_here(*flags, *more, "--out", out, env={**env, "OMP_NUM_THREADS": "1"})
+    else:
+        run(sys.executable, *torchrun(out, *flags, *more), env=env)
+
+
+def loaded_adapter(pipe_cls, folder: str, lora: Path) -> dict[str, torch.Tensor]:
+    """The family's diffusers pipeline from `folder` with `load_lora_weights(lora)`: the LoRA
+    tensors it put into its transformer, under the export's names."""
+    absent = {k: None for k, v in pipe_cls.load_config(folder).items() if v == [None, None]}
+    pipe = pipe_cls.from_pretrained(folder, torch_dtype=torch.float32, **absent)
+    pipe.load_lora_weights(str(lora), adapter_name="loaded")
+    return {"transformer." + k.replace(".loaded.", "."): p.detach()
+            for k, p in pipe.transformer.named_parameters() if ".loaded." in k}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["flux-dev", "qwen-image"])
-def test_torchrun_trains_in_step(variant, tiny_dirs, prompts_file, reward_env, tmp_path):
-    """A new family under DDP: two ranks stay bit-identical (recast.py checks and logs it);
-    Qwen-Image's adapters without a gradient (UNUSED_ADAPTERS) do not stall DDP's reduction."""
-    held_out = tmp_path / "held_out.txt"
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", MATRIX)
+def test_each_family_trains_resumes_and_exports_in_each_mode(variant, mode, tiny_dirs,
+                                                             prompts_file, reward_env,
+                                                             tmp_path):  # fmt: skip
+    """The family × mode matrix, on the tiny pipelines: one process; DDP on 2 gloo ranks
+    (torchrun); --shard (FSDP2) on 2; --shard --grad-checkpointing on 2. In each cell: one epoch
+    trains (the adapters' lora_B off zero, the loss finite), one epoch then --resume to two
+    ends with the adapters, the optimizer state and the metrics of two epochs without a stop, bit
+    for bit, and --export of the run loads into the family's diffusers pipeline
+    (load_lora_weights) with every tensor of the trained adapter. The fast tests cover part of
+    the one-process cells: test_recast.py's test_sd3_trains_one_epoch_end_to_end (SD3 trains),
+    test_two_epochs_with_resume_and_profile (the other families resume, metrics compared) and
+    test_export_loads_in_diffusers_and_draws_the_runs_images (each family draws with its export);
+    none compares the adapters and AdamW's state after a resume."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from plumbing import export
+
+    held_out = tmp_path / "held_out.txt"  # a held-out prompt for each rank
     held_out.write_text("a purple cat\na purple boat\n")
-    out = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run(*torchrun, os.path.join(HERE, "recast.py"), "--model", tiny_dirs(variant),
-        *VARIANTS[variant][1], "--prompts-file", prompts_file, "--eval-prompts-file", str(held_out),
-        *RUN, "--epochs", "2", "--out", str(out), env=reward_env)  # fmt: skip
-    lines = metrics_of(out)
-    assert [m["epoch"] for m in lines] == [0, 1, 2]
-    assert all(len(m["dist/sha256"]) == 64 for m in lines[1:])
-    assert lines[1]["dist/sha256"] != lines[2]["dist/sha256"]
+    folder = tiny_dirs(variant)
+    flags = ["--model", folder, *VARIANTS[variant][1], "--prompts-file", prompts_file,
+             "--eval-prompts-file", str(held_out), *RUN]  # fmt: skip
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    launch(mode, part, *flags, "--epochs", "1", env=reward_env)
+    first = metrics_of(part)
+    assert [m["epoch"] for m in first] == [0, 1] and math.isfinite(first[1]["loss"])
+    trained = lora(part, 1)
+    assert max(trained[k].abs().max().item() for k in trained if "lora_B.default" in k) > 1e-3
+    launch(mode, part, *flags, "--epochs", "2", "--resume", env=reward_env)
+    launch(mode, whole, *flags, "--epochs", "2", env=reward_env)
+    x, y = lora(part, 2), lora(whole, 2)
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in y)
+    opt = [torch.load(o / "ckpt/epoch_0002/optim.pt")["state"] for o in (part, whole)]
+    assert opt[1] and opt[0].keys() == opt[1].keys()
+    assert all(torch.equal(torch.as_tensor(opt[0][p][s]), torch.as_tensor(opt[1][p][s]))
+               for p in opt[1] for s in opt[1][p])  # fmt: skip
+    a_run, b_run = metrics_of(part), metrics_of(whole)
+    assert [m["epoch"] for m in a_run] == [0, 1, 2] == [m["epoch"] for m in b_run]
+    for a, b in zip(a_run, b_run, strict=True):  # epoch 1 was evaluated in the first run only
+        assert {k: v for k, v in numbers(a).items() if k in b} == numbers(b)
+    if MODES[mode][0] == 2:  # the ranks agreed after each epoch (recast.py compares digests)
+        assert all(len(m["dist/sha256"]) == 64 for m in b_run[1:])
+
+    to = tmp_path / "lora"
+    export.main(["--export", str(whole), "--to", str(to)])
+    pipe_cls = getattr(diffusers, families.family_of(folder).PIPELINE)
+    loaded, written = loaded_adapter(pipe_cls, folder, to), load_file(to / export.WEIGHTS)
+    assert loaded.keys() == written.keys() and len(written) > 0
+    assert all(torch.equal(loaded[k], written[k]) for k in written)
+    assert all(torch.equal(written["transformer." + k], v)
+               for k, v in export.policy_adapter(y).items())  # fmt: skip
 
 
 def test_family_parts_are_leaves():
