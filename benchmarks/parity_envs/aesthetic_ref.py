@@ -5,9 +5,10 @@ package; simple-aesthetics-predictor runs its heads on transformers' CLIP ViT-L/
 `AestheticsPredictorV2Linear` (aesthetics_predictor/v2.py) is the vision tower and projection,
 the embedding L2-normalised, then LAION's MLP (Linear 768→1024→128→64→16→1 with dropout between,
 its `layers`). Here it loads tiny_clip's vision tower and projection (QuickGELU) from WORK/model,
-its head re-drawn 1/sqrt(fan-in) wide (so that scores move with the image); the head is saved as
-LAION's .pth is laid out (the MLP's state dict, keys layers.{0,2,4,6,7}.*) to WORK/head.pth, and the
-predictor scores each image as preprocessed by WORK/model's processor.
+its head re-drawn 1/sqrt(fan-in) wide, the first layer 10 times that (so that scores move with
+the image); the head is saved as LAION's .pth is laid out (the MLP's state dict, keys
+layers.{0,2,4,6,7}.*) to WORK/head.pth, and the predictor scores each image as preprocessed by
+WORK/model's processor.
 
 Usage: python aesthetic_ref.py WORK. WORK holds images/*.png and clip_vocab.json (written by
 reward_parity.py); this writes WORK/model, WORK/head.pth and WORK/reference.json.
@@ -28,10 +29,10 @@ build(work, "quick_gelu")
 predictor = AestheticsPredictorV2Linear.from_pretrained(work / "model").eval()
 processor = CLIPProcessor.from_pretrained(work / "model")
 torch.manual_seed(1)
-with torch.no_grad():
-    for layer in predictor.layers:
+with torch.no_grad():  # the first layer 10x wider: the images' tiny-CLIP embeddings differ little
+    for i, layer in enumerate(predictor.layers):
         if isinstance(layer, torch.nn.Linear):
-            torch.nn.init.normal_(layer.weight, std=layer.in_features**-0.5)
+            torch.nn.init.normal_(layer.weight, std=(10 if i == 0 else 1) * layer.in_features**-0.5)
             torch.nn.init.normal_(layer.bias, std=0.1)
 torch.save({f"layers.{k}": v for k, v in predictor.layers.state_dict().items()}, work / "head.pth")
 scores = []

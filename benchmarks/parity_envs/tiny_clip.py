@@ -32,9 +32,10 @@ def build(work: Path, act: str) -> None:
     config = CLIPConfig(
         text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=77,
-                         hidden_act=act, **ids),
+                         hidden_act=act, projection_dim=32, **ids),
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, image_size=224, patch_size=14, hidden_act=act),
+                           num_attention_heads=4, image_size=224, patch_size=14, hidden_act=act,
+                           projection_dim=32),  # as openai/clip-vit-large-patch14's file has it
         projection_dim=32,
     )  # fmt: skip
     torch.manual_seed(0)
