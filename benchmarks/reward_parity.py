@@ -9,9 +9,11 @@ scores the same inputs; the table is max |Δ| per reward, in float32.
     python -m benchmarks.reward_parity --rewards imagereward --keep WORK   # one, its files kept
 
 The venvs live under --envs (default $RECAST_PARITY_ENVS, else ~/.cache/recast/parity_envs), one
-per reference, from the pinned requirement file beside its script in benchmarks/parity_envs/
-(<reward>.txt, <reward>_ref.py). Without them this prints the --setup command and exits 2. The
-project's own requirements are not touched. Each reference's script states what it builds.
+per reference (pickscore, clipscore and aesthetic share one, `clip`), from the pinned requirement
+file beside its script in benchmarks/parity_envs/ (<reward>.txt or clip.txt, <reward>_ref.py).
+Without them this prints the --setup command and exits 2. The project's own requirements are not
+touched: `hpsv2`, whose reward needs the hpsv2 package and torchvision, is scored by rewards.py
+run in its reference's venv. Each reference's script states what it builds and runs.
 """
 
 import argparse
