@@ -82,7 +82,7 @@ REFERENCES = {
         1e-4,
         {"RECAST_HPSV2": "HPS_v2.1_compressed.pt"},
         ours_there=True,
-    ),  # fmt: skip
+    ),
 }
 PROMPTS = [
     "a red cat on a sofa",
