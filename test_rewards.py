@@ -353,7 +353,7 @@ def test_rewards_score_as_their_released_code(tmp_path):
     """Each reward beside its reference, run as released in its own venv (reward_parity.py):
     max |Δ| within the stated tolerance. Skipped, saying how to build them, without the venvs.
     hpsv2's reference is ViT-H-14 at full size: a 3.9 GB checkpoint in tmp_path, and the
-    longest row (18 minutes on a shared 2-core CPU)."""
+    longest row (all seven rows: 12 minutes on a shared 2-core CPU)."""
     from benchmarks import reward_parity
 
     envs = reward_parity.DEFAULT_ENVS
