@@ -31,9 +31,9 @@ local folder or a hub id, set by an environment variable):
 - `aesthetic`: RECAST_AESTHETIC (the CLIP, default openai/clip-vit-large-patch14) and
                RECAST_AESTHETIC_HEAD (required: a file with LAION's aesthetic head, .pth or
                .safetensors);
-- `hpsv2`:     needs `pip install hpsv2`; RECAST_HPSV2 (the HPS v2.1 checkpoint file, default
-               downloaded from xswu/HPSv2) and RECAST_HPSV2_CLIP (open_clip ViT-H-14 weights,
-               default laion2B-s32B-b79K).
+- `hpsv2`:     needs `pip install hpsv2x` (the hpsv2 package; PyPI's hpsv2 1.2.0 lacks its
+               tokenizer's vocabulary); RECAST_HPSV2 (the HPS v2.1 checkpoint file, default
+               downloaded from xswu/HPSv2).
 Rewards that do not sit on CLIP (docs/your_reward.md says how to get each one's weights; nothing
 is downloaded):
 - `ocr`:         rendered text: 1 − normalised edit distance between the text read in the image
@@ -323,27 +323,23 @@ def _where(variable: str, default: str, needs: str = "config.json") -> str:
 
 @functools.cache
 def _clip(model_path: str, processor_path: str, device: torch.device):
-    """A frozen CLIP and its processor; cached, so rewards on the same backbone share one copy."""
+    """A frozen CLIP and its processor (PIL's image resizing, as the released processors of
+    PickScore's and CLIPScore's time resize); cached, so rewards on one backbone share a copy."""
     from transformers import AutoProcessor, CLIPModel
 
     model = CLIPModel.from_pretrained(model_path).to(device).eval().requires_grad_(False)
-    return model, AutoProcessor.from_pretrained(processor_path)
+    return model, AutoProcessor.from_pretrained(processor_path, backend="pil")
 
 
 def _clip_pixels(images: torch.Tensor, image_processor) -> torch.Tensor:
-    """Images in [-1, 1] → CLIP's input, on their own device: the image processor's steps
-    (shortest side resized bicubically, centre crop, normalisation) done on tensors."""
-    x = (images.float().clamp(-1, 1) + 1) / 2
-    H, W = x.shape[-2:]
-    scale = image_processor.size["shortest_edge"] / min(H, W)
-    size = (round(H * scale), round(W * scale))
-    x = F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
-    h, w = image_processor.crop_size["height"], image_processor.crop_size["width"]
-    top, left = (x.shape[-2] - h) // 2, (x.shape[-1] - w) // 2
-    x = x[..., top : top + h, left : left + w]
-    mean = torch.tensor(image_processor.image_mean, device=x.device)[:, None, None]
-    std = torch.tensor(image_processor.image_std, device=x.device)[:, None, None]
-    return (x - mean) / std
+    """Images in [-1, 1] → CLIP's input on their device: rounded to 8 bits and put through the
+    image processor on the host (shortest side resized, centre crop, normalisation), as the
+    released scorers do with a saved image. Meta images (benchmarks/memory_plan.py): its shape."""
+    crop = image_processor.crop_size
+    if images.device.type == "meta":
+        return images.new_empty(len(images), 3, crop["height"], crop["width"])
+    pixels = image_processor(images=to_pil(images), return_tensors="pt").pixel_values
+    return pixels.to(images.device)
 
 
 def _image_embeds(model, processor, images: torch.Tensor) -> torch.Tensor:
@@ -476,16 +472,16 @@ def aesthetic_scorer(model, processor, head: list[tuple[torch.Tensor, torch.Tens
 @reward("hpsv2", LOADERS)
 def hpsv2(device: torch.device) -> RewardFn:
     """HPS v2.1 (Wu et al., 2023): cos(image, prompt) of an open_clip ViT-H-14 fine-tuned on human
-    preferences (≈ 0.25-0.35), with the package's own preprocessing. Needs `pip install hpsv2`."""
+    preferences (≈ 0.25-0.35), built as the hpsv2 package's img_score.py builds it (its
+    preprocessing: longest side to 224, padded square). Needs `pip install hpsv2x`."""
     try:
         from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
     except ImportError as e:
-        raise ImportError("reward 'hpsv2' needs its package: pip install hpsv2") from e
+        raise ImportError("reward 'hpsv2' needs its package: pip install hpsv2x") from e
     from huggingface_hub import hf_hub_download
 
-    pretrained = os.environ.get("RECAST_HPSV2_CLIP") or "laion2B-s32B-b79K"  # open_clip's tag
-    model, _, preprocess = create_model_and_transforms(
-        "ViT-H-14", pretrained, precision="fp32", device=device, output_dict=True
+    model, _, preprocess = create_model_and_transforms(  # no CLIP weights: the checkpoint has all
+        "ViT-H-14", None, device=device, light_augmentation=True, output_dict=True
     )
     checkpoint = os.environ.get("RECAST_HPSV2")
     if not checkpoint:

@@ -1560,7 +1560,7 @@ def test_missing_aesthetic_head_and_hpsv2_package_say_what_to_do(with_rewards, m
     try:
         import hpsv2  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="pip install hpsv2"):
+        with pytest.raises(ImportError, match="pip install hpsv2x"):
             rewards.get("hpsv2", torch.device("cpu"))
 
 

@@ -420,20 +420,24 @@ def _saved(folder, save) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def clip_tokenizer(folder):
-    """A CLIP tokenizer with one token per byte (and per end-of-word byte), no merges, 77 tokens;
-    saved to `folder` and loaded from it."""
-    from transformers import CLIPTokenizer
-
+def clip_vocabulary() -> dict[str, int]:
+    """`clip_tokenizer`'s vocabulary: one token per byte and per end-of-word byte, then
+    <|startoftext|> and <|endoftext|> (CLIP_IDS)."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte → char map
     others = [b for b in range(256) if b not in printable]
     chars = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]
     vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": 256 + i for i, c in enumerate(chars)}
-    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
+    return vocab | {"<|startoftext|>": 512, "<|endoftext|>": 513}
+
+
+def clip_tokenizer(folder):
+    """A CLIP tokenizer with `clip_vocabulary`, no merges, 77 tokens; saved to `folder` and loaded
+    from it."""
+    from transformers import CLIPTokenizer
 
     def save(tmp: str) -> None:
         with open(os.path.join(tmp, "vocab.json"), "w") as f:
-            json.dump(vocab, f)
+            json.dump(clip_vocabulary(), f)
         with open(os.path.join(tmp, "merges.txt"), "w") as f:
             f.write("#version: 0.2\n")
 

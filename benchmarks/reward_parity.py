@@ -9,9 +9,11 @@ scores the same inputs; the table is max |Δ| per reward, in float32.
     python -m benchmarks.reward_parity --rewards imagereward --keep WORK   # one, its files kept
 
 The venvs live under --envs (default $RECAST_PARITY_ENVS, else ~/.cache/recast/parity_envs), one
-per reference, from the pinned requirement file beside its script in benchmarks/parity_envs/
-(<reward>.txt, <reward>_ref.py). Without them this prints the --setup command and exits 2. The
-project's own requirements are not touched. Each reference's script states what it builds.
+per reference (pickscore, clipscore and aesthetic share one, `clip`), from the pinned requirement
+file beside its script in benchmarks/parity_envs/ (<reward>.txt or clip.txt, <reward>_ref.py).
+Without them this prints the --setup command and exits 2. The project's own requirements are not
+touched: `hpsv2`, whose reward needs the hpsv2 package and torchvision, is scored by rewards.py
+run in its reference's venv. Each reference's script states what it builds and runs.
 """
 
 import argparse
@@ -38,6 +40,8 @@ class Reference:
     tolerance: float  # max |Δ| allowed, float32 on the CPU
     env: dict  # rewards.py's variables, relative to the work folder
     text: bool = False  # scored on rendered words (OCR_CASES), not on colour fields
+    venv: str = ""  # the venv's name under --envs, if not the reward's (references that share one)
+    ours_there: bool = False  # rewards.py scores in that venv too (the reward needs its package)
 
 
 REFERENCES = {
@@ -55,6 +59,30 @@ REFERENCES = {
         },
     ),  # fmt: skip
     "ocr": Reference("ocr.txt", "ocr_ref.py", 1e-6, {}, text=True),
+    "pickscore": Reference(
+        "clip.txt",
+        "pickscore_ref.py",
+        1e-4,
+        {"RECAST_PICKSCORE": "model", "RECAST_PICKSCORE_PROCESSOR": "processor"},
+        venv="clip",
+    ),
+    "clipscore": Reference(
+        "clip.txt", "clipscore_ref.py", 1e-4, {"RECAST_CLIPSCORE": "model"}, venv="clip"
+    ),
+    "aesthetic": Reference(
+        "clip.txt",
+        "aesthetic_ref.py",
+        1e-4,
+        {"RECAST_AESTHETIC": "model", "RECAST_AESTHETIC_HEAD": "head.pth"},
+        venv="clip",
+    ),
+    "hpsv2": Reference(
+        "hpsv2.txt",
+        "hpsv2_ref.py",
+        1e-4,
+        {"RECAST_HPSV2": "HPS_v2.1_compressed.pt"},
+        ours_there=True,
+    ),
 }
 PROMPTS = [
     "a red cat on a sofa",
@@ -87,16 +115,21 @@ OCR_CASES = [
 ]
 
 
+def venv(envs: Path, name: str) -> Path:
+    """Reward `name`'s reference venv."""
+    return envs.expanduser() / (REFERENCES[name].venv or name)
+
+
 def python(envs: Path, name: str) -> Path:
-    return envs.expanduser() / name / "bin" / "python"
+    return venv(envs, name) / "bin" / "python"
 
 
 def setup(envs: Path, names: list[str]) -> None:
     """A venv per reference, from its pinned file: torch and torchvision first (a package that
     builds against torch, fairscale, then builds without pip's isolation), then the rest, then
-    the lines marked `# --no-deps` without their dependencies."""
-    for name in names:
-        where = envs.expanduser() / name
+    the lines marked `# --no-deps` without their dependencies. References that share a venv
+    (`Reference.venv`) make it once."""
+    for where, name in {venv(envs, name): name for name in names}.items():
         subprocess.run([sys.executable, "-m", "venv", str(where)], check=True)
         pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q"]
         lines = (HERE / REFERENCES[name].requirements).read_text().splitlines()
@@ -159,8 +192,8 @@ def words(work: Path) -> tuple[list[torch.Tensor], list[str]]:
 def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
     """The work folder's inputs: images and prompts (prompts.json), and the tiny tokenizers'
     files (ImageReward's BERT vocabulary and text encoder's configuration; HPSv3's byte-level
-    vocabulary, special tokens and chat template, modelzoo.tiny_vlm's) or, for `ocr`, the
-    weights folder the ocr reward reads."""
+    vocabulary, special tokens and chat template, modelzoo.tiny_vlm's; CLIP's byte vocabulary,
+    modelzoo.clip_tokenizer's) or, for `ocr`, the weights folder the ocr reward reads."""
     from benchmarks import modelzoo
     from reward_models import ocr_reader
 
@@ -175,6 +208,7 @@ def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
                 chat_template=modelzoo.VLM_CHAT_TEMPLATE)  # fmt: skip
     (work / "tokenizer_spec.json").write_text(json.dumps(spec))
     (work / "vocab.txt").write_text("\n".join(modelzoo.TINY_IMAGEREWARD_VOCAB) + "\n")
+    (work / "clip_vocab.json").write_text(json.dumps(modelzoo.clip_vocabulary()))
     med = dict(
         modelzoo.TINY_IMAGEREWARD_MED,
         hidden_size=768,
@@ -183,6 +217,14 @@ def inputs(name: str, work: Path) -> tuple[list[torch.Tensor], list[str]]:
     )  # fmt: skip  (ImageReward's head reads 768 wide)
     (work / "med_config.json").write_text(json.dumps(med, indent=2))
     return pictures, prompts
+
+
+def read_png(path: Path) -> torch.Tensor:
+    """An 8-bit PNG as (3, H, W) in [-1, 1], as `images` and `words` return theirs."""
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(path).convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(rgb).permute(2, 0, 1) / 127.5 - 1
 
 
 def ours(name: str, work: Path, pictures: list[torch.Tensor], prompts: list[str]) -> list[float]:
@@ -195,6 +237,17 @@ def ours(name: str, work: Path, pictures: list[torch.Tensor], prompts: list[str]
     fn = rewards.get(name, torch.device("cpu"))
     pairs = zip(pictures, prompts, strict=True)
     return [rewards.score(name, fn, x[None], [p]).item() for x, p in pairs]
+
+
+def ours_in_venv(name: str, envs: Path, work: Path) -> list[float]:
+    """`ours` run by the reference's venv on the work folder's saved inputs (`--ours`): for a
+    reward that needs a package the project does not pin (hpsv2, and the torchvision it needs)."""
+    command = [str(python(envs, name)), "-m", "benchmarks.reward_parity", "--rewards", name]
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([*command, "--ours", str(work)], cwd=root, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"{name}: rewards.py in its venv failed:\n{run.stderr[-4000:]}")
+    return json.loads((work / "ours.json").read_text())
 
 
 def compare(name: str, envs: Path, work: Path) -> dict:
@@ -214,7 +267,10 @@ def compare(name: str, envs: Path, work: Path) -> dict:
     if "reads" in reference:  # a reader's text, scored with the reward's own formula
         pairs = zip(reference["reads"], prompts, strict=True)
         reference["scores"] = [rewards.text_match(read, rewards.quoted(p)) for read, p in pairs]
-    got = ours(name, work, pictures, prompts)
+    if REFERENCES[name].ours_there:
+        got = ours_in_venv(name, envs, work)
+    else:
+        got = ours(name, work, pictures, prompts)
     deltas = [abs(a - b) for a, b in zip(got, reference["scores"], strict=True)]
     return {
         "reward": name,
@@ -236,11 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rewards", default=",".join(REFERENCES), help="comma-separated")
     parser.add_argument("--keep", type=Path, help="work folder to keep (default: a temporary)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--ours", type=Path, help=argparse.SUPPRESS)  # a work folder (compare)
     args = parser.parse_args(argv)
     names = [n for n in args.rewards.split(",") if n]
     unknown = [n for n in names if n not in REFERENCES]
     if unknown:
         parser.error(f"--rewards: no reference for {unknown}; known: {', '.join(REFERENCES)}")
+    if args.ours:  # rewards.py's scores of a work folder's saved inputs, run by compare()
+        prompts = json.loads((args.ours / "prompts.json").read_text())
+        pictures = [read_png(path) for path in sorted((args.ours / "images").glob("*.png"))]
+        got = ours(names[0], args.ours, pictures, prompts)
+        (args.ours / "ours.json").write_text(json.dumps(got))
+        return 0
     if args.setup:
         setup(args.envs, names)
         return 0
