@@ -97,9 +97,9 @@ class Args:
     """0 (off) | PX: the step predictions scored for the gains are resized (area) to at most PX on
     the long side first, so that a vision-language reward reads fewer image tokens (docs/sd35.md);
     the final scores that train, eval and the judges read the full image. The toy world's rewards
-    measure in its pixels: they read the reduced image brought back to the world's size. Off by
-    default: in the toy world it moved W about as far as a change of seed (docs/results.md); on
-    real reward models it is unmeasured"""
+    measure in its pixels: they read the reduced image brought back to the world's size. Off
+    until measured on real reward models: in the toy world it moved W about as far as a change of
+    seed (docs/results.md)"""
     reward_scale: str = ""
     """factors, one per reward in --rewards order, that multiply its scores before anything reads
     them: the rewards written in other units (docs/results.md, the units test); eval and the

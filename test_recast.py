@@ -72,10 +72,14 @@ def layer_of(module: str) -> int:
 
 def project_modules() -> dict[str, Path]:
     """Dotted name → file of every project module (tests and conftest left out): the root's and
-    every FOLDERS' module; a folder's own __init__ is the folder's name."""
+    every FOLDERS' module; a folder's own __init__ is the folder's name. benchmarks/parity_envs
+    is left out too: its scripts are the released references, run as scripts by their own venvs'
+    pythons (benchmarks/reward_parity.py), which import their siblings by bare name."""
     files = {p.stem: p for p in Path(HERE).glob("*.py") if p.stem not in ("conftest",)}
     for folder in FOLDERS:
         for p in (Path(HERE) / folder).rglob("*.py"):
+            if "parity_envs" in p.parts:
+                continue
             parts = p.relative_to(HERE).with_suffix("").parts
             files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     return {m: p for m, p in files.items() if not m.split(".")[-1].startswith("test_")}
