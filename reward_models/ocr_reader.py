@@ -25,11 +25,8 @@ OCR_FETCH = (
 def _md5(path: str) -> str:
     import hashlib
 
-    digest = hashlib.md5()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def ocr_folder() -> str:

@@ -26,11 +26,8 @@ PADDLE_FETCH = "pip install rapidocr==3.10.0 onnxruntime==1.32.0 (requirements.t
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def paddle_folder() -> str:
