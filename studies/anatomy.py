@@ -10,9 +10,9 @@ It calls the functions recast.py trains with, on the first epoch of the default 
    prediction and the final image (DESIGN §4) → scores.png, the group's scores along the steps,
    and the step from which each reward's ranking of the group is settled (its Spearman ρ with the
    final ranking stays ≥ SETTLED from there on, mean over all groups);
-3. kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
+3. recast_kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
    marginals (DESIGN §4-5) → gains.png;
-4. kernels.renyi.joint_optimality (recast.optimality, --normalize joint, the default): r per
+4. recast.joint_optimality (recast.optimality, --normalize joint, the default): r per
    reward and group (DESIGN §3), and the mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i, clamped
    to [0, 1], that the NFT loss trains each (image, timestep) pair toward (DESIGN §6), under
    ReCAST's W and under uniform W = λ/T (with joint: the summed reward's) → mix.png.
