@@ -288,7 +288,9 @@ def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
     to one scale, and a reward's flat groups stay flat. Not clipped per reward, as under joint."""
     s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
     centred = s - s.mean(-1, keepdim=True)
-    pooled = centred.pow(2).mean((-2, -1), keepdim=True).sqrt()  # (K, 1, 1)
+    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, as in group_optimality
+    centred = torch.where(flat, torch.zeros_like(centred), centred)
+    pooled = pooled_spread(final, group_size)[..., None]  # (K, 1, 1)
     return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
 
 

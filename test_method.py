@@ -126,6 +126,20 @@ def test_unit_joint_holds_where_the_fixed_guard_does_not(dtype):
     assert (r[2] == 0.5).all()
 
 
+@pytest.mark.parametrize("rule", RULES)
+def test_a_flat_group_gets_exactly_one_half_under_every_rule(rule):
+    """A group whose scores are all equal (in one reward, or in all) gets r = 1/2 exactly, in
+    fp32, where its mean rounds (0.1 · 8 / 8 ≠ 0.1 in fp32): no advantage from rounding."""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    scores = _scores(torch.float32)
+    scores[:, :8] = 0.1  # flat in every reward; 0.1 has no exact fp32 mean over 8 summed
+    scores[1, 8:16] = 1 / 3
+    r = _r(rule, scores, lam)
+    assert (r[:, :8] == 0.5).all()
+    if rule in ("per-reward", "batch"):  # one reward's flat group: each reward on its own
+        assert (r[1, 8:16] == 0.5).all()
+
+
 def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
     unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""

@@ -39,7 +39,7 @@ the phase's peak (PlannedRun.progress), the others get its output's tensor witho
 - recast: recast.score_steps as the rank that scores the most groups, in --score-precision;
   recast.optimality;
 - update: recast.nft_update, every micro-batch, those of its first optimizer step through the
-  policy (with grad, through LoRA), the old and the reference: kernels.nft_loss, backward,
+  policy (with grad, through LoRA), the old and the reference: recast_kernels.nft_loss, backward,
   gradient clipping and the AdamW step, with the optimizer's state already made (a later step's);
 - eval: harness.evaluate of this rank's held-out images in chunks of --batch-size, the last
   chunk (and the last full one) through the transformer, the images kept and concatenated;

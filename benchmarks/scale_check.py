@@ -37,7 +37,7 @@ What it does
    /proc/self/status after /proc/self/clear_refs), around step scoring and gains + Sinkhorn
    within time/recast, around the fused loss's forward and each micro-batch's backward (CUDA
    events on CUDA, perf_counter on CPU), and around each epoch's save (wall time per epoch).
-3. Measures the peak memory of kernels.nft_loss.nft_loss (fused) against reference_nft_loss at
+3. Measures the peak memory of recast_kernels.nft_loss (fused) against reference_nft_loss at
    the real micro-batch (--batch-size pairs of fp32 latents, forward + backward): on CUDA with
    max_memory_allocated; on CPU from torch.profiler's memory timeline (where nft_loss, outside
    the Triton interpreter, is reference_nft_loss itself).
