@@ -103,7 +103,7 @@ class Args:
     reward_scale: str = ""
     """factors, one per reward in --rewards order, that multiply its scores before anything reads
     them: the rewards written in other units (docs/results.md, the units test); eval and the
-    judges keep each reward's own units (default: 1 each)"""
+    judges keep each reward's own units; empty: 1 each"""
     # --- rollout ---
     epochs: int = 20
     """training epochs (rollout + update)"""
