@@ -52,13 +52,16 @@ def policy_adapter(tensors: dict) -> dict:
 def lora_config(layers: dict, args: dict) -> dict:
     """The adapter's LoRA configuration (the keyword arguments of peft's LoraConfig that diffusers
     reads from the file's metadata): its rank and alpha (recast.py's --lora-rank and
-    --lora-alpha), and the layers it adapts, by full name."""
+    --lora-alpha), the layers it adapts, by full name, and no per-layer rank or alpha (diffusers
+    0.37 reads `rank_pattern` from the metadata without a default: a file without it fails to
+    load there)."""
     ranks = {v.shape[0] for k, v in layers.items() if ".lora_A." in k}
     if ranks != {args["lora_rank"]}:
         raise ValueError(f"its adapters have rank {sorted(ranks)}, its args.json "
                          f"--lora-rank {args['lora_rank']}")  # fmt: skip
     targets = sorted({k.split(".lora_")[0] for k in layers})
-    return {"r": args["lora_rank"], "lora_alpha": args["lora_alpha"], "target_modules": targets}
+    return {"r": args["lora_rank"], "lora_alpha": args["lora_alpha"], "target_modules": targets,
+            "rank_pattern": {}, "alpha_pattern": {}}  # fmt: skip
 
 
 def finished_checkpoint(run: str) -> tuple[dict, dict]:

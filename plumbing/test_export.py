@@ -68,7 +68,8 @@ def test_export_writes_the_default_adapter_with_its_lora_config(tmp_path, capsys
         peft_name = k.removeprefix("transformer.").replace(".weight", ".default.weight")
         assert torch.equal(v, tensors[peft_name]), k
     assert meta == {"transformer.r": 2, "transformer.lora_alpha": 4,
-                    "transformer.target_modules": sorted(LAYERS)}  # fmt: skip
+                    "transformer.target_modules": sorted(LAYERS), "transformer.rank_pattern": {},
+                    "transformer.alpha_pattern": {}}  # fmt: skip
     info = json.loads((to / export.INFO).read_text())
     assert info["pipeline"] == "StableDiffusion3Pipeline" and info["epoch"] == 2
     assert info["sampling"]["steps"] == 3 and "wrote" in capsys.readouterr().out
