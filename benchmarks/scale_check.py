@@ -260,8 +260,10 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)  # open_clip.constants.OPENAI_
 
 
 def openclip_preprocess(size: int):
-    """open_clip's image_transform(size, is_train=False) on a PIL image: the shortest side resized
-    to `size` (bicubic), centre crop, RGB, to [0, 1], normalised with OpenAI's mean and std."""
+    """A timing stand-in for hpsv2's image preprocessing (its open_clip fork's image_transform,
+    resize_longest_max): the longest side resized to `size` (bicubic), padded with black to a
+    centred square, to [0, 1], normalised with OpenAI's mean and std; resized as a PIL image,
+    where hpsv2 resizes the tensor (the real reward uses hpsv2's own)."""
     import numpy as np
     import torch
     from PIL import Image
@@ -271,11 +273,13 @@ def openclip_preprocess(size: int):
 
     def preprocess(im):
         w, h = im.size
-        scale = size / min(w, h)
-        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
-        left, top = (im.width - size) // 2, (im.height - size) // 2
-        im = im.crop((left, top, left + size, top + size)).convert("RGB")
-        x = torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1).float() / 255
+        scale = size / max(w, h)
+        w, h = round(w * scale), round(h * scale)
+        square = Image.new("RGB", (size, size))
+        square.paste(
+            im.convert("RGB").resize((w, h), Image.BICUBIC), ((size - w) // 2, (size - h) // 2)
+        )
+        x = torch.from_numpy(np.asarray(square).copy()).permute(2, 0, 1).float() / 255
         return (x - mean) / std
 
     return preprocess
