@@ -286,22 +286,23 @@ def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
     spread of reward k pooled over the whole batch, every rank's groups (`final` is gathered):
     √(mean over groups of the group variance). One scale per reward, so λ weighs rewards brought
     to one scale, and a reward's flat groups stay flat. Not clipped per reward, as under joint."""
-    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
-    centred = s - s.mean(-1, keepdim=True)
-    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, as in group_optimality
-    centred = torch.where(flat, torch.zeros_like(centred), centred)
-    pooled = pooled_spread(final, group_size)[..., None]  # (K, 1, 1)
+    centred = group_centred(final, group_size)  # (K, M, G)
+    pooled = centred.pow(2).mean((-2, -1), keepdim=True).sqrt()  # (K, 1, 1): pooled_spread
     return (0.5 + centred / (pooled + 1e-4) / (2 * adv_clip_max)).flatten(-2)
+
+
+def group_centred(final: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(K, M, G) each group's scores less their mean, a group whose scores are all equal exactly 0
+    (as in group_optimality: its mean's rounding is no advantage)."""
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)
+    return torch.where(flat, 0, s - s.mean(-1, keepdim=True))
 
 
 def pooled_spread(final: torch.Tensor, group_size: int) -> torch.Tensor:
     """(K, 1) each reward's within-group spread pooled over the batch, √(mean over groups of the
     group variance), a group whose scores are all equal counting exactly 0: batch's σ_k."""
-    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
-    centred = s - s.mean(-1, keepdim=True)
-    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, as in group_optimality
-    centred = torch.where(flat, torch.zeros_like(centred), centred)
-    return centred.pow(2).mean((-2, -1)).sqrt()[:, None]
+    return group_centred(final, group_size).pow(2).mean((-2, -1)).sqrt()[:, None]
 
 
 def unit_free(scores: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
