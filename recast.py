@@ -255,12 +255,8 @@ def group_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
     """--normalize per-reward: r (..., N) of scores (..., N) in groups of G images, each reward
     on its own scale. A = (s - mean_group s) / (std_group s + 1e-4), clipped to ±A_max;
     r = 1/2 + A / (2 A_max) ∈ [0, 1]. A group whose scores are all equal has A = 0, r = 1/2."""
-    s = final.unflatten(-1, (-1, group_size))  # (..., M, G)
-    centred = s - s.mean(-1, keepdim=True)
-    std = s.std(-1, correction=0, keepdim=True)
-    adv = (centred / (std + 1e-4)).clamp(-adv_clip_max, adv_clip_max)
-    flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)  # exact, unlike std == 0
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
+    std = final.unflatten(-1, (-1, group_size)).std(-1, correction=0, keepdim=True)
+    adv = (group_centred(final, group_size) / (std + 1e-4)).clamp(-adv_clip_max, adv_clip_max)
     return (0.5 + adv / (2 * adv_clip_max)).flatten(-2)
 
 
@@ -292,8 +288,8 @@ def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
 
 
 def group_centred(final: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(K, M, G) each group's scores less their mean, a group whose scores are all equal exactly 0
-    (as in group_optimality: its mean's rounding is no advantage)."""
+    """(..., M, G) each group's scores less their mean, a group whose scores are all equal exactly
+    0 (exact, unlike std == 0: its mean's rounding is no advantage)."""
     s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
     flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)
     return torch.where(flat, 0, s - s.mean(-1, keepdim=True))
