@@ -29,6 +29,12 @@ def standard(k, u, arm, j, seed):
     return LEVEL[arm] + 0.01 * seed + wobble(arm, seed), {}, None
 
 
+def first_line(k: int) -> dict:
+    """The base model's eval (epoch 0)."""
+    study = cmp.STUDIES[f"setting{k}"]
+    return {"epoch": 0, "time": 0.0, **{f"eval/{n}": 0.0 for n in study["names"] + study["judges"]}}
+
+
 def final_line(k: int, gap: float, judges: dict, distance) -> dict:
     study = cmp.STUDIES[f"setting{k}"]
     line = {"epoch": 20, "time": 0.0, "gap/weighted": gap, "W": [[0.025] * 10] * 4}
@@ -39,19 +45,20 @@ def final_line(k: int, gap: float, judges: dict, distance) -> dict:
     return line
 
 
-def made_up(tmp_path, value=standard, seeds: int = 3, missing=(), protocol_seeds: int = 3):
-    """An archive of every baseline's and candidate's runs in the four cells (value(k, u, arm,
-    budget index, seed) → the run's numbers), less `missing` ((budget, arm, seed)); the args of
-    `report --study setting6 --seeds protocol_seeds`."""
+def made_up(tmp_path, value=standard, seeds: int = 3, missing=(), protocol_seeds: int = 3,
+            arms=(*cmp.BASELINES, *cmp.CANDIDATES), cells=CELLS):  # fmt: skip
+    """An archive of every baseline's and candidate's runs (or `arms`') in the four cells (or
+    `cells`; value(k, u, arm, budget index, seed) → the run's numbers), less `missing` ((budget,
+    arm, seed)); the args of `report --study setting6 --seeds protocol_seeds`."""
     path = tmp_path / "runs.jsonl"
     with open(path, "w") as f:
         for j, lam in enumerate(cmp.BUDGETS):
-            for k, u in CELLS:
-                for a in (*cmp.BASELINES, *cmp.CANDIDATES):
+            for k, u in cells:
+                for a in arms:
                     for s in range(seeds):
                         if (lam, f"t{k}{u}-{a}", s) in missing:
                             continue
-                        lines = [{"epoch": 0, "time": 0.0}, final_line(k, *value(k, u, a, j, s))]
+                        lines = [first_line(k), final_line(k, *value(k, u, a, j, s))]
                         name = os.path.basename(cmp.folder("", lam, f"t{k}{u}-{a}", s))
                         f.write(json.dumps({"run": name, "lines": lines}) + "\n")
     return argparse.Namespace(out=str(tmp_path / "sweep"), archive=str(path),
@@ -239,3 +246,25 @@ def test_how_far_each_rule_moved_is_changed_minus_native_paired_by_seed():
     assert unitjoint == ("- unitjoint: " + "; ".join(["+0.0000 ± 0.0000 tie"] * 5)
                          + "; largest |difference| of one run 0.0000")  # fmt: skip
     assert not any(x.startswith("- sum: ") for x in lines)  # an arm not in the report: no line
+
+
+@pytest.mark.xfail(strict=True, reason="report() pairs every arm with arms[0], native uniform")
+def test_the_report_pairs_each_arm_with_uniform_in_its_own_units(tmp_path):
+    """The protocol's rule is applied "for every arm against uniform in its own units": a
+    changed-units arm against t6x-uniform, not against native t6-uniform. Here uniform drops 0.05
+    in changed units and batch does not: against uniform in its own units batch wins in every
+    budget. Fails on the current code: report() pairs every arm, t6x- ones too, with arms[0]
+    (t6-uniform), where batch ties."""
+    level = {"uniform": 0.30, "sum": 0.33, "sumunit": 0.32, "joint": 0.33, "perreward": 0.31,
+             "batch": 0.30, "unitjoint": 0.33}  # fmt: skip
+
+    def value(k, u, arm, j, seed):
+        gap = level[arm] - 0.05 * (arm == "uniform" and u == "x") + 0.01 * seed
+        return gap + wobble(arm, seed), {}, None
+
+    args = made_up(tmp_path, value, arms=list(cmp.UNIT_ARMS), cells=[(6, ""), (6, "x")])
+    cmp.report(args)
+    table = open(os.path.join(args.out, "setting6", "table.md")).read().splitlines()
+    line = next(x for x in table if x.startswith("- t6x-batch: "))
+    assert line.startswith("- t6x-batch: 5 win") and line.endswith("beats t6x-uniform")
+    assert any(x.startswith("- t6x-batch − t6x-uniform, gap/color: 5 win") for x in table)
