@@ -260,6 +260,7 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "names": list(TOY5 if k == 5 else TOY6),
             "judges": JUDGES5 if k == 5 else JUDGES6,
             "seeds": 3,
+            "base": lambda a: a.split("-", 1)[0] + "-uniform",  # uniform in the arm's own units
             "sections": [lambda r: units_lines(r)],
             "closing": [lambda r: units_ship_lines(r)],
         }
@@ -408,6 +409,12 @@ def run(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+def decided_on(args, study: str) -> int:
+    """How many seeds a study's verdict needs: its protocol's (a study that names them), or the
+    report's --seeds, whichever is more: a report on fewer seeds is marked provisional."""
+    return max(args.seeds, STUDIES[study].get("seeds", 0))
+
+
 def evals(lines: list[dict]) -> list[dict]:
     return [m for m in lines if "gap/weighted" in m]
 
@@ -662,9 +669,12 @@ def report(args) -> None:
     chosen = (
         getattr(args, "arms", "") or ""
     )  # a protocol may leave an arm out (the test's candidate)
+    base_of = study.get("base", lambda a: study["arms"][0])  # each arm's paired baseline
     arms = [a for a in study["arms"] if not chosen or a in chosen.split(",")]
+    arms = [a for a in study["arms"] if a in arms or a in map(base_of, arms)]  # with their bases
     out_dir = os.path.join(args.out, args.study)
     base, names, judges = arms[0], study.get("names", NAMES), study.get("judges", JUDGES)
+    bases = list(dict.fromkeys(map(base_of, arms)))  # arms[0], or one per unit system
     os.makedirs(out_dir, exist_ok=True)
     res = finished(args, arms)
     seeds = {lam: [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
@@ -677,22 +687,23 @@ def report(args) -> None:
     budgets = [lam for lam in seeds if seeds[lam]]
     gap = {(lam, a): [fin[lam, a, s]["gap/weighted"] for s in seeds[lam]]
            for lam in budgets for a in arms}  # fmt: skip
-    rows = [f"| λ | arm | seeds | λ-weighted gap | vs {base} (paired) | verdict | "
+    said = " or ".join(bases)  # the baseline's name in the table's header
+    rows = [f"| λ | arm | seeds | λ-weighted gap | vs {said} (paired) | verdict | "
             + " | ".join(names) + " | " + " | ".join(judges)
-            + f" | epochs to 90% of {base} | seconds to 90% |",
+            + f" | epochs to 90% of {said} | seconds to 90% |",
             "|---" * (10 + len(names) + len(judges) - 2) + "|"]  # fmt: skip
     summary = {a: [] for a in arms}  # (diff, se) per budget
     for lam in budgets:
         ss = seeds[lam]
-        target = 0.9 * statistics.fmean(gap[lam, base])
         for a in arms:
-            diff, se = paired(gap[lam, a], gap[lam, base])
-            if a != base:
+            b = base_of(a)
+            diff, se = paired(gap[lam, a], gap[lam, b])
+            if a != b:
                 summary[a].append((diff, se))
-            reach = [to_reach(res[lam, a, s], target) for s in ss]
+            reach = [to_reach(res[lam, a, s], 0.9 * statistics.fmean(gap[lam, b])) for s in ss]
             cells = [lam, a, str(len(ss)), "{:+.3f} ± {:.3f}".format(*mean_std(gap[lam, a])),
-                     "" if a == base else f"{diff:+.3f} ± {se:.3f}",
-                     "" if a == base else verdict(diff, se)]  # fmt: skip
+                     "" if a == b else f"{diff:+.3f} ± {se:.3f}",
+                     "" if a == b else verdict(diff, se)]  # fmt: skip
             cells += ["{:+.2f}".format(statistics.fmean(fin[lam, a, s][f"gap/{n}"] for s in ss))
                       for n in names]  # fmt: skip
             cells += ["{:.3f}".format(statistics.fmean(fin[lam, a, s][f"eval/{n}"] for s in ss))
@@ -701,25 +712,26 @@ def report(args) -> None:
                       f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
     lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", ""]
-    partial = min(len(ss) for ss in seeds.values()) < args.seeds
+    need = decided_on(args, args.study)
+    partial = min(len(ss) for ss in seeds.values()) < need
     if partial:  # the protocol decides on every seed: a part of them decides nothing
         have = ", ".join(f"{lam}: {len(seeds[lam])}" for lam in seeds)
         note = (
             f"**Partial, not a result:** finished seeds per budget ({have}) of the "
-            f"{args.seeds} the protocol decides on; every verdict below is provisional."
+            f"{need} the protocol decides on; every verdict below is provisional."
         )
         lines += [note, ""]
     lines += [*rows, ""]
-    lines.append(f"Across the budgets (arm beats {base}: wins in ≥ 3 budgets and loses in none):")
+    lines.append(f"Across the budgets (arm beats {said}: wins in ≥ 3 budgets and loses in none):")
     lines.append("")
     for a, ds in summary.items():
-        if a == base or not ds:
+        if a in bases or not ds:
             continue
         words = [verdict(d, se) for d, se in ds]
         counts = ", ".join(f"{words.count(w)} {w}" for w in ("win", "tie", "loss", "n/a"))
         mean_diff = statistics.fmean(d for d, _ in ds)
         lines.append(f"- {a}: {counts}; mean paired difference {mean_diff:+.3f}; "
-                     f"{'beats' if beats(words) else 'does not beat'} {base}"
+                     f"{'beats' if beats(words) else 'does not beat'} {base_of(a)}"
                      + (" (so far)" if partial else ""))  # fmt: skip
     pairs = [(a, b, why) for a, b, why in study["pairs"] if a in arms and b in arms]  # --arms
     if pairs:
@@ -732,10 +744,10 @@ def report(args) -> None:
               "rule per budget (" + ", ".join(budgets) + "):", ""]  # fmt: skip
     judge_words, metrics = {}, metrics_of(study)
     pair_words = {}
-    for a in arms[1:]:
-        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, base, metrics)
+    for a in (a for a in arms if a not in bases):
+        more, judge_words[a] = rule_lines(fin, seeds, budgets, a, base_of(a), metrics)
         lines += more
-        more, pair_words[a] = pairwise_lines(fin, seeds, budgets, a, base)
+        more, pair_words[a] = pairwise_lines(fin, seeds, budgets, a, base_of(a))
         lines += more
     for a, b, _ in pairs:
         lines += rule_lines(fin, seeds, budgets, a, b, metrics)[0]
@@ -746,14 +758,14 @@ def report(args) -> None:
         lines += section(r)
     lines += ["", f"Does W's distance from uniform predict the gain? Per budget: the mean final "
               f"W's L1 distance from λ/T (0: uniform, 2: disjoint) and the paired gain over "
-              f"{base}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
+              f"{said}" + ("; Spearman ρ over the budgets:" if len(budgets) > 1 else ":"),
               ""]  # fmt: skip
-    for a in (a for a in arms if a != base):
+    for a in (a for a in arms if a not in bases):
         far = [statistics.fmean(l1_from_uniform(fin[lam, a, s]["W"], lam) for s in seeds[lam])
                for lam in budgets]  # fmt: skip
         if not any(far):  # W = λ/T throughout (uniform, sum): nothing to relate
             continue
-        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, base])
+        gain = [statistics.fmean(gap[lam, a]) - statistics.fmean(gap[lam, base_of(a)])
                 for lam in budgets]  # fmt: skip
         each = "; ".join(f"{d:.2f} → {g:+.3f}" for d, g in zip(far, gain, strict=True))
         rho = (
@@ -762,12 +774,14 @@ def report(args) -> None:
             else ""
         )
         lines.append(f"- {a}: {each}{rho}")  # one budget: no relation to rank
-    lines += ["", f"Has {base}'s curve flattened? Its λ-weighted gap's change between its last "
-              "three evals (mean over seeds):", ""]  # fmt: skip
-    for lam in budgets:
-        late = [[m["gap/weighted"] for m in evals(res[lam, base, s])[-3:]] for s in seeds[lam]]
-        steps = [statistics.fmean(g[i + 1] - g[i] for g in late) for i in range(len(late[0]) - 1)]
-        lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
+    for b in bases:
+        lines += ["", f"Has {b}'s curve flattened? Its λ-weighted gap's change between its last "
+                  "three evals (mean over seeds):", ""]  # fmt: skip
+        for lam in budgets:
+            late = [[m["gap/weighted"] for m in evals(res[lam, b, s])[-3:]] for s in seeds[lam]]
+            steps = [statistics.fmean(g[i + 1] - g[i] for g in late)
+                     for i in range(len(late[0]) - 1)]  # fmt: skip
+            lines.append(f"- λ = {lam}: " + ", then ".join(f"{x:+.3f}" for x in steps))
     ses = [se for se in (s for _, s in summary.get(arms[1], [])) if se == se]
     if ses:
         lines.append(f"\nResolvable difference (2 × the median paired SE of {arms[1]} over the "
@@ -781,7 +795,7 @@ def report(args) -> None:
         lines += section(r)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    plot(res, fin, gap, seeds, arms, out_dir, names)
+    plot(res, fin, gap, seeds, arms, out_dir, names, base_of)
     print("\n".join(lines))
     print(f"\nwrote {out_dir}/table.md, curves.png, dose.png, weights.png")
 
@@ -836,7 +850,7 @@ def against_better(args, study: str, prefix: str, arm: str,
     res, out = finished(args, arms), {"cells": [], "judges": {}, "complete": True}
     for lam in BUDGETS:
         seeds = [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
-        out["complete"] &= len(seeds) == args.seeds
+        out["complete"] &= len(seeds) >= decided_on(args, study)
         if len(seeds) < 2:
             continue
         fin = {(a, s): evals(res[lam, a, s])[-1] for a in arms for s in seeds}
@@ -1025,7 +1039,7 @@ def versus(args, study: str, a: str, b: str) -> dict:
     res, out = finished(args, [a, b]), {"gap": {}, "judges": {}, "pairwise": [], "complete": True}
     for lam in BUDGETS:
         seeds = [s for s in range(args.seeds) if (lam, a, s) in res and (lam, b, s) in res]
-        out["complete"] &= len(seeds) == args.seeds
+        out["complete"] &= len(seeds) >= decided_on(args, study)
         if len(seeds) < 2:
             continue
         fin = {(lam, x, s): evals(res[lam, x, s])[-1] for x in (a, b) for s in seeds}
@@ -1137,7 +1151,8 @@ def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
     return out
 
 
-def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) -> None:
+def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str],
+         base_of=lambda a: None) -> None:  # fmt: skip
     budgets = list(dict.fromkeys(lam for lam, _ in gap))
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
                              squeeze=False)  # fmt: skip
@@ -1155,16 +1170,18 @@ def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str]) 
     fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
     plt.close(fig)
 
-    base, dosed = arms[0], [a for a in arms[1:] if not a.endswith("sum")]
+    base_of_ = lambda a: base_of(a) or arms[0]  # noqa: E731
+    bases = set(map(base_of_, arms))
+    dosed = [a for a in arms if a not in bases and not a.endswith("sum")]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for j, lam in enumerate(budgets):
-        ds = [paired(gap[lam, a], gap[lam, base]) for a in dosed]
+        ds = [paired(gap[lam, a], gap[lam, base_of_(a)]) for a in dosed]
         x = [i + 0.08 * (j - 2) for i in range(len(dosed))]
         ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
                     fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
     ax.axhline(0, color="grey", lw=0.6)
     ax.set_xticks(range(len(dosed)), dosed, fontsize=8, rotation=15)
-    ax.set_ylabel(f"gap closed − {base}'s (± 2 SE)")
+    ax.set_ylabel(f"gap closed − {' or '.join(sorted(bases))}'s (± 2 SE)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "dose.png"), dpi=110)
