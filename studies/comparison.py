@@ -844,10 +844,11 @@ def against_better(args, study: str, prefix: str, arm: str,
     """Per budget of a study, `arm` against B, the best of `baselines` there (the higher mean
     λ-weighted gap over the seeds every arm has finished): {"cells": [(budget, B, d, SE,
     verdict)], "judges": {judge or "pairwise": budgets lost to B}, "complete": every seed done,
-    "mean": the arm's mean final λ-weighted gap over its cells}."""
+    "judged": budgets with the pairwise judge's verdict, "mean": the arm's mean final λ-weighted
+    gap over its cells}."""
     arms = [*(prefix + b for b in baselines), prefix + arm]
     n_base, gaps_all = len(baselines), []
-    res, out = finished(args, arms), {"cells": [], "judges": {}, "complete": True}
+    res, out = finished(args, arms), {"cells": [], "judges": {}, "complete": True, "judged": 0}
     for lam in BUDGETS:
         seeds = [s for s in range(args.seeds) if all((lam, a, s) in res for a in arms)]
         out["complete"] &= len(seeds) >= decided_on(args, study)
@@ -866,6 +867,7 @@ def against_better(args, study: str, prefix: str, arm: str,
         fins = {(lam, x, s): fin[x, s] for x in (prefix + arm, B) for s in seeds}
         _, words = pairwise_lines(fins, {lam: seeds}, [lam], prefix + arm, B)
         out["judges"]["pairwise"] = out["judges"].get("pairwise", 0) + words.count("loss")
+        out["judged"] += bool(words)  # budgets the pairwise judge could read (distances archived)
     out["mean"] = statistics.fmean(gaps_all) if gaps_all else float("nan")
     return out
 
@@ -906,13 +908,14 @@ def units_ship_lines(r: Report) -> list[str]:
     out = ["", "The units test's shipping rule (docs/results.md), settings 5 and 6 in both unit "
            "systems; per budget B = the best of uniform, sum and sumunit by mean gap:",
            ""]  # fmt: skip
-    complete, qualified = True, {}
+    complete, judged, qualified = True, True, {}
     for arm in CANDIDATES:
         ok, beat_in, means = True, {}, []
         for k in (5, 6):
             for u in ("", "x"):
                 a = against_better(r.args, f"setting{k}", f"t{k}{u}-", arm, tuple(BASELINES))
                 complete &= a["complete"]
+                judged &= a["judged"] == len(a["cells"])  # a judge it cannot read decides nothing
                 words = [v for *_, v in a["cells"]]
                 lost = sorted(j for j, n in a["judges"].items() if n >= 3)
                 ok &= bool(words) and "loss" not in words and not lost
@@ -932,6 +935,8 @@ def units_ship_lines(r: Report) -> list[str]:
             qualified[arm] = mean
     best = max(qualified, key=qualified.get) if qualified else None
     tail = "" if complete else " (so far: not every run is finished, this decides nothing)"
+    if complete and not judged:
+        tail = " (undecided: some budget's runs lack the pairwise judge's distances)"
     ships = f"--normalize {UNIT_ARMS[best][-1]} becomes the default" if best else (
         "none qualifies: joint stays the default")  # fmt: skip
     out.append(f"- {ships}{tail}")

@@ -305,6 +305,15 @@ def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
     write_run(path, lines)
 
 
+def archived(path: str, distance: list[float]) -> dict:
+    """A made-up run folder as the archive keeps it, with its eval images' pairwise-judge
+    distances (which a folder's record computes from the images it kept); the folder goes."""
+    lines = cmp.record(path)
+    lines[-1]["judge/distance"] = distance
+    shutil.rmtree(path)
+    return {"run": os.path.basename(path), "lines": lines}
+
+
 @pytest.mark.parametrize("joint_gain,goes", [(0.03, True), (-0.03, False)])
 def test_the_development_pick_rule(tmp_path, capsys, joint_gain, goes):
     """Setting 1: ReCAST beats uniform and sum; setting 2: sum beats uniform and ReCAST loses to it
@@ -368,7 +377,7 @@ def test_the_units_tests_shipping_rule_and_how_far_each_rule_moved(tmp_path, uni
     natively and the unit-free sum in changed units. unit-joint 0.03 above both everywhere
     qualifies and ships; level with them it beats B nowhere and joint stays. Per-reward and batch
     lose to B and never qualify. The movement lines give each rule's changed − native."""
-    out = tmp_path / "sweep"
+    out, records = tmp_path / "sweep", []
     gaps = {"uniform": 0.30, "sum": 0.33, "sumunit": 0.32, "joint": 0.33, "perreward": 0.29,
             "batch": 0.31, "unitjoint": 0.33 + unit_gain}  # fmt: skip
     for lam in cmp.BUDGETS:
@@ -379,9 +388,12 @@ def test_the_units_tests_shipping_rule_and_how_far_each_rule_moved(tmp_path, uni
                     gap = gaps["sumunit"] + unit_gain  # B in changed units is sumunit's 0.32
                 for seed in range(3):
                     wobble = 0.001 * (seed == 1) * (arm in cmp.CANDIDATES)
-                    dev_run(cmp.folder(str(out), lam, prefix + arm, seed), prefix + arm, seed,
-                            gap + moved + 0.01 * seed + wobble, judge=0.5)  # fmt: skip
-    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "none.jsonl"), seeds=3,
+                    path = cmp.folder(str(out), lam, prefix + arm, seed)
+                    dev_run(path, prefix + arm, seed, gap + moved + 0.01 * seed + wobble, 0.5)
+                    records.append(archived(path, distance=[0.3] * 4))  # the judge: a tie
+    with open(tmp_path / "runs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=3,
                               code=cmp.ROOT, study="setting6")  # fmt: skip
     cmp.report(args)
     table = open(os.path.join(out, "setting6", "table.md")).read().splitlines()

@@ -40,8 +40,8 @@ def final_line(k: int, gap: float, judges: dict, distance) -> dict:
     line = {"epoch": 20, "time": 0.0, "gap/weighted": gap, "W": [[0.025] * 10] * 4}
     line.update({f"gap/{n}": gap for n in study["names"]})
     line.update({f"eval/{n}": judges.get(n, 0.5) for n in study["names"] + study["judges"]})
-    if distance is not None:
-        line["judge/distance"] = distance
+    if distance != "absent":  # None: every image equally far from the ideal (the judge ties)
+        line["judge/distance"] = [0.3] * 4 if distance is None else distance
     return line
 
 
@@ -199,6 +199,18 @@ def test_of_two_that_qualify_the_higher_mean_gap_over_the_four_cells_ships(
     assert qualifies(lines, "perreward") and qualifies(lines, "unitjoint")
     assert not qualifies(lines, "batch")
     assert lines[-1] == f"- --normalize {shipped} becomes the default"
+
+
+def test_runs_without_the_pairwise_judges_distances_decide_nothing(tmp_path):
+    """A cell whose runs lack the distances would count no pairwise loss; the verdict says it
+    cannot decide rather than letting the judge pass unread."""
+
+    def value(k, u, arm, j, seed):
+        gap, judges, _ = standard(k, u, arm, j, seed)
+        return gap, judges, "absent" if (k, u, j) == (6, "x", 3) else None
+
+    lines = ship(made_up(tmp_path, value))
+    assert lines[-1].endswith("(undecided: some budget's runs lack the pairwise judge's distances)")
 
 
 def test_a_missing_run_makes_the_verdict_provisional(tmp_path):
