@@ -1346,10 +1346,11 @@ def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monke
     assert "'color'" in err and "prompt '" in err and "inf" in err
 
 
-@pytest.mark.parametrize("normalize", ["joint", "per-reward", "batch"])
+@pytest.mark.parametrize("normalize", ["joint", "per-reward", "batch", "unit-joint"])
 def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypatch, capsys,
                                                             normalize):  # fmt: skip
-    """A reward constant in every group trains nothing, says so once a run, and no NaN."""
+    """A reward constant in every group trains nothing, says so once a run, and no NaN (under
+    unit-joint its pooled spread is 0: its unit-free scores are 0, never a division by 0)."""
     monkeypatch.setitem(rewards.REWARDS, "color", lambda im, p: torch.full((len(p),), 0.5))
     main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--normalize", normalize,
               "--out", tmp_path / "run")  # fmt: skip
