@@ -290,7 +290,7 @@ def batch_optimality(final: torch.Tensor, group_size: int, adv_clip_max: float =
 def group_centred(final: torch.Tensor, group_size: int) -> torch.Tensor:
     """(..., M, G) each group's scores less their mean, a group whose scores are all equal exactly
     0 (exact, unlike std == 0: its mean's rounding is no advantage)."""
-    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    s = final.unflatten(-1, (-1, group_size))  # (..., M, G)
     flat = s.amax(-1, keepdim=True) == s.amin(-1, keepdim=True)
     return torch.where(flat, 0, s - s.mean(-1, keepdim=True))
 

@@ -1157,7 +1157,7 @@ def settings_w(args, fin, seeds, out_dir: str) -> list[str]:
 
 
 def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str],
-         base_of=lambda a: None) -> None:  # fmt: skip
+         base_of) -> None:  # fmt: skip
     budgets = list(dict.fromkeys(lam for lam, _ in gap))
     fig, axes = plt.subplots(1, len(budgets), figsize=(3.2 * len(budgets), 3), sharey=True,
                              squeeze=False)  # fmt: skip
@@ -1175,12 +1175,11 @@ def plot(res, fin, gap, seeds, arms: list[str], out_dir: str, names: list[str],
     fig.savefig(os.path.join(out_dir, "curves.png"), dpi=110)
     plt.close(fig)
 
-    base_of_ = lambda a: base_of(a) or arms[0]  # noqa: E731
-    bases = set(map(base_of_, arms))
+    bases = set(map(base_of, arms))
     dosed = [a for a in arms if a not in bases and not a.endswith("sum")]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     for j, lam in enumerate(budgets):
-        ds = [paired(gap[lam, a], gap[lam, base_of_(a)]) for a in dosed]
+        ds = [paired(gap[lam, a], gap[lam, base_of(a)]) for a in dosed]
         x = [i + 0.08 * (j - 2) for i in range(len(dosed))]
         ax.errorbar(x, [d for d, _ in ds], yerr=[2 * se if se == se else 0 for _, se in ds],
                     fmt="o", ms=3, capsize=2, label=f"λ = {lam}")  # fmt: skip
