@@ -68,8 +68,8 @@ the GPU has caught up), and never while torch.compile traces or on meta and fake
 have no values to read. Without the check, a row whose t_index lies outside [0, T) gets a NaN loss
 and a NaN gradient (W is never read out of bounds), so the loss is NaN.
 t is not checked to lie in (0, 1], nor r in [0, 1]: the mix a is clamped to [0, c], so r̄ = a/c
-lies in [0, 1] whatever r holds (a no-op for r in [0, 1] and W ≥ 0; DESIGN §3's joint
-normalisation relies on it).
+lies in [0, 1] whatever r holds (a no-op for r in [0, 1] and W ≥ 0; DESIGN §3's joint,
+unit-joint and batch normalisations, which clip nothing per reward, rely on it).
 
 Tracing, torch.compile and memory plans
 ---------------------------------------
