@@ -123,3 +123,30 @@ def test_log_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys)
     err = recast_exit(capsys, "--lambda", "1,1,1,1", "--log", "tensorboard,mlflow")
     assert "error: --log" in err and "mlflow" in err and "tensorboard, wandb" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_wandb_that_cannot_start_its_run_exits_2_with_the_resume_command(
+    tmp_path, monkeypatch, capsys
+):
+    """wandb.init failing as wandb fails without an account or network (wandb.errors.Error):
+    exit 2 naming --log, the fixes (wandb login, WANDB_MODE=offline) and the command that
+    continues the run, no traceback; the base model's epoch 0 is kept, no wandb.json written
+    (the resumed run starts a wandb run of its own), and the run continues on --resume (here
+    with --log tensorboard: the resumed run would try wandb again)."""
+    import wandb
+
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    out, flags = tmp_path / "run", [*TINY, "--epochs", "1", "--lambda", "0.4,0.2,0.2,0.2"]
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(SystemExit) as e:
+        main_here(*flags, "--log", "wandb", "--out", out)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "error: --log: wandb could not start its run (api_key not configured" in err
+    assert "wandb login" in err and "WANDB_MODE=offline" in err
+    assert f"recast.py --out {out} --resume" in err and "Traceback" not in err
+    assert [m["epoch"] for m in metrics_of(out)] == [0] and not (out / "wandb.json").exists()
+    main_here(*flags, "--out", out, "--resume", "--log", "tensorboard")  # --log may change
+    assert [m["epoch"] for m in metrics_of(out)] == [0, 1]
