@@ -1060,11 +1060,13 @@ def test_profile_quotes_the_tests_verdict_on_the_distance(monkeypatch, predictio
     line's prediction at this distance for each comparison where it did, and which it did not."""
     from plumbing import reward_profile
 
+    shipped = reward_profile.PREDICTION  # the shipped verdict: a dict evidence() can read
+    assert isinstance(shipped, dict) and set(shipped) <= set(reward_profile.WHOM), shipped
+    assert all(len(line) == 3 for line in shipped.values()), shipped
     monkeypatch.setattr(reward_profile, "PREDICTION", prediction)
     text = reward_profile.evidence(0.5)
     assert said in text
     assert "setting 1" not in text  # no longer quoted as a predictor on its own
-    assert reward_profile.PREDICTION is prediction  # and the shipped verdict is a dict
 
 
 def test_the_shipped_prediction_is_the_tests_verdict():
