@@ -1566,11 +1566,9 @@ def test_missing_aesthetic_head_and_hpsv2_package_say_what_to_do(with_rewards, m
     monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
     with pytest.raises(FileNotFoundError, match="RECAST_AESTHETIC_HEAD"):
         rewards.get("aesthetic", torch.device("cpu"))
-    try:
-        import hpsv2  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="pip install hpsv2x"):
-            rewards.get("hpsv2", torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "hpsv2", None)  # not installed, wherever it is
+    with pytest.raises(ImportError, match="pip install hpsv2x"):
+        rewards.get("hpsv2", torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------
