@@ -997,18 +997,29 @@ BAD_INPUT = [
 # --profile: where each reward is informative, before training
 # ---------------------------------------------------------------------------------------------
 def check_profile(out, names, lam, T, images) -> dict:
-    """profile.json holds a W with λ's rows and 1/T's columns, the profiles and their spread."""
+    """profile.json holds a W with λ's rows and 1/T's columns, the gains telescoping to D_T, the
+    profiles (rows summing to 1) and their spread; the centroids, the shift and the L1 distance
+    are those of its own W and profiles, written out here."""
     p = json.loads((out / "profile.json").read_text())
     assert (out / "profile.png").stat().st_size > 0
     assert p["names"] == names and p["images_scored"] == images and p["steps"] == T
     W = torch.tensor(p["W"], dtype=torch.float64)
     assert torch.allclose(W.sum(1), torch.tensor(lam, dtype=torch.float64), atol=1e-6)
     assert torch.allclose(W.sum(0), torch.full((T,), 1 / T, dtype=torch.float64), atol=1e-6)
-    assert torch.tensor(p["D"]).shape == (len(names), T + 1)
+    D, gains = (torch.tensor(p[k], dtype=torch.float64) for k in ("D", "gains"))
+    assert D.shape == (len(names), T + 1) and gains.shape == (len(names), T)
+    assert (D[:, 0] == 0).all() and torch.allclose(gains.sum(1), D[:, -1], atol=1e-5)
+    profiles = torch.tensor(p["profiles"], dtype=torch.float64)
+    assert profiles.shape == (len(names), T) and (profiles >= 0).all()
+    assert torch.allclose(profiles.sum(1), torch.ones(len(names), dtype=torch.float64))
     assert torch.tensor(p["bootstrap"]["profiles"]).shape == (len(names), T)
     uniform = torch.tensor(lam, dtype=torch.float64)[:, None] / T
     assert p["l1_from_uniform"] == pytest.approx(float((W - uniform).abs().sum()))
-    assert p["centroid_shift"] == pytest.approx([c - (T - 1) / 2 for c in p["W_centroids"]])
+    steps = torch.arange(T, dtype=torch.float64)
+    centroid = lambda rows: [(x * steps).sum().item() / x.sum().item() for x in rows]  # noqa: E731
+    assert p["W_centroids"] == pytest.approx(centroid(W))  # Σ_i i·w_i / Σ_i w_i, row by row
+    assert p["centroid_shift"] == pytest.approx([c - (T - 1) / 2 for c in centroid(W)])
+    assert p["centroids"] == pytest.approx(centroid(profiles))
     return p
 
 
