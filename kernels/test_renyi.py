@@ -1,5 +1,6 @@
-"""Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, the properties of
-DESIGN §4 (D[:, 0] = 0, telescoping, flat groups, Euler's last gain), and the gains traced
+"""Tests of kernels/renyi.py: the one-launch kernel against reference_renyi_gains, both against
+DESIGN §4 written out with Python floats, the properties of DESIGN §4 (D[:, 0] = 0, telescoping,
+flat groups, Euler's last gain), and the gains traced
 (torch.compile, FakeTensorMode, meta tensors). W, built from the gains in recast.py, is tested in
 test_method.py.
 
@@ -9,6 +10,7 @@ hold for both (see `tolerance`).
 """
 
 import contextlib
+import math
 import os
 import re
 
@@ -97,6 +99,89 @@ def test_renyi_gains_matches_reference(case, alpha):
         assert D[:, -1].min() > 1e-3 and D.min() >= -atol_D
     else:
         assert torch.all(D == 0)  # groups of one image are flat
+
+
+def design_section_4(scores, group_size, alpha, adv_clip_max) -> torch.Tensor:
+    """D (K, T+1) of DESIGN §4 written out image by image with Python floats, as the module
+    docstring of renyi.py states it: each reward's own r of the final scores (a flat group has
+    r = 1/2), at each step i < T the slope b pooled over all groups of z = (s_i - mean s_i) /
+    (std s_T + 1e-4) (0 in a flat group), r̂ = clamp(mean r + b z, 1e-4, 1), at T r clamped
+    alike; ℓ = log r̂ - log mean r̂, D_group = (log Σ exp(α ℓ) - log G) / (α - 1) or, at α = 1,
+    mean ρ log ρ; D the mean over groups, D[:, 0] = 0."""
+    eps = 1e-4
+    n_rewards, n_cols, n = scores.shape
+    G, A = group_size, adv_clip_max
+    s = scores.double().cpu().tolist()
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def pstd(xs):
+        return math.sqrt(mean([(x - mean(xs)) ** 2 for x in xs]))
+
+    def groups(row):
+        return [row[j : j + G] for j in range(0, n, G)]
+
+    D = []
+    for k in range(n_rewards):
+        final = groups(s[k][-1])
+        flat = [max(f) == min(f) for f in final]
+        r = [
+            [0.5] * G
+            if fl
+            else [0.5 + max(-A, min(A, (x - mean(f)) / (pstd(f) + eps))) / (2 * A) for x in f]
+            for f, fl in zip(final, flat, strict=True)
+        ]
+        row = [0.0]
+        for i in range(1, n_cols):
+            if i < n_cols - 1:
+                z = [
+                    [0.0] * G if fl else [(x - mean(g)) / (pstd(f) + eps) for x in g]
+                    for g, f, fl in zip(groups(s[k][i]), final, flat, strict=True)
+                ]
+                num = sum(
+                    zj * (rj - mean(rg))
+                    for zg, rg in zip(z, r, strict=True)
+                    for zj, rj in zip(zg, rg, strict=True)
+                )
+                den = sum(zj * zj for zg in z for zj in zg)
+                b = num / den if den > 0 else 0.0
+                r_hat = [[mean(rg) + b * zj for zj in zg] for zg, rg in zip(z, r, strict=True)]
+            else:
+                r_hat = r
+            per_group = []
+            for rg in r_hat:
+                rg = [min(1.0, max(eps, x)) for x in rg]
+                ell = [math.log(x) - math.log(mean(rg)) for x in rg]
+                if alpha == 1.0:
+                    per_group.append(mean([math.exp(x) * x for x in ell]))
+                else:
+                    lse = math.log(sum(math.exp(alpha * x) for x in ell))
+                    per_group.append((lse - math.log(G)) / (alpha - 1))
+            row.append(mean(per_group))
+        D.append(row)
+    return torch.tensor(D, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("alpha", [2.0, 1.0, 0.5])
+@pytest.mark.parametrize("adv_clip_max", [5.0, 1.0])  # 1.0: r reaches 0 and 1, r̂ its clamp
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_gains_are_design_section_4_written_out(fn_name, adv_clip_max, alpha):
+    """D and the gains against design_section_4, not against other code of renyi.py: a change
+    made alike to the kernel and its reference (the 1/(α - 1), the pooled slope, the spread z is
+    divided by, the mean over groups) fails here. The reference to float64 rounding (its outputs
+    are fp32), the kernel within `tolerance`."""
+    scores = make_scores(2, 4, 3, 6, seed=11)  # group 0 of reward 0 flat
+    expected = design_section_4(scores, 6, alpha, adv_clip_max)
+    assert expected[:, -1].min() > 1e-3  # informative: D is not trivially 0
+    D, gains = getattr(renyi, fn_name)(scores, 6, alpha, adv_clip_max)
+    if fn_name == "reference_renyi_gains":
+        atol_D, atol_gains = 1e-7, 2e-7
+    else:
+        atol_D, atol_gains = tolerance(scores, 6, alpha, adv_clip_max)
+    torch.testing.assert_close(D.double().cpu(), expected, rtol=1e-6, atol=atol_D)
+    torch.testing.assert_close(gains.double().cpu(), expected.diff(dim=1), rtol=1e-6,
+                               atol=atol_gains)  # fmt: skip
 
 
 def test_renyi_gains_is_one_launch(monkeypatch):
