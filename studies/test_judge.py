@@ -103,7 +103,8 @@ def test_judge_command_with_a_tiny_local_vlm(tmp_path, capsys):
     b = fake_run(tmp_path / "b", tw.blur(ideal.flatten(0, 1), 1.5).view_as(ideal))
     judge.main([a, b, "--judge", "vlm", "--judge-model", model, "--device", "cpu"])
     said = capsys.readouterr().out
-    assert "judge: vlm; 12 pairs (6 prompts × 2 seeds)" in said and "A preferred" in said
+    assert "judge: vlm; 12 pairs (6 prompts × 2 seeds)" in said
+    assert "A preferred 0.0%, ties 100.0%, B preferred 0.0%" in said  # one position, both orders
     with pytest.raises(SystemExit) as e:
         judge.main([a, b, "--judge", "vlm", "--judge-model", str(tmp_path / "nowhere")])
     err = capsys.readouterr().err
