@@ -78,6 +78,7 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
     other_noise = fake_run(tmp_path / "n", ideal, noise_seed=1)
     other_prompts = fake_run(tmp_path / "p", ideal, prompts=PROMPTS[::-1])
     (tmp_path / "empty").mkdir()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     cases = [
         ([a, other_noise], "different eval noise"),
         ([a, other_prompts], "different prompts"),
@@ -89,7 +90,9 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
             judge.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, message
     index = json.loads((tmp_path / "a" / "eval_images" / "index.json").read_text())
-    assert index["epoch"] == 20  # nothing was written over
+    assert index["epoch"] == 20 and len(before) > 2
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing written over, nothing added, in any run folder
 
 
 def test_judge_command_with_a_tiny_local_vlm(tmp_path, capsys):
