@@ -24,6 +24,20 @@ def grid(images: torch.Tensor, cols: int) -> torch.Tensor:
     return out
 
 
+def save(fig, path: str) -> None:
+    """fig into `path` (110 dpi), closed. A write that fails (a full disk) raises its OSError
+    naming `path`: the error of a write to an open file names none, and the run's one-line
+    message (rundir.run_main) names the file and the run folder from it."""
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), path) from e
+        raise
+    finally:
+        plt.close(fig)
+
+
 def save_weights_figure(
     path: str, W, profiles, lam, names, sigmas, title: str, spread=None
 ) -> None:
@@ -75,8 +89,7 @@ def save_weights_figure(
         bx.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
 
 
 def save_samples_figure(path: str, panels: dict[str, torch.Tensor], prompts: list[str]) -> None:
@@ -103,5 +116,4 @@ def save_samples_figure(path: str, panels: dict[str, torch.Tensor], prompts: lis
         for side in ax.spines.values():
             side.set_visible(False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

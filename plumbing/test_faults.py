@@ -268,6 +268,37 @@ def test_a_full_disk_stops_the_run_with_exit_1_and_resume_is_exact(tmp_path, req
         assert without_times(metrics_of(out)) == without_times(request.getfixturevalue("whole"))
 
 
+@pytest.mark.parametrize("resume", THEN_RESUME)
+def test_a_full_disk_while_drawing_a_picture_stops_the_run_with_exit_1(tmp_path, request, resume):
+    """ENOSPC while W.png is drawn at epoch 2, as a write to an open file fails (a few bytes
+    written, an OSError naming no file): exit 1, one line naming W.png, the run folder, the
+    disk, the newest checkpoint (epoch 1's: epoch 2's is written after its picture) and the
+    --resume command; then, the disk freed, --resume matches the whole run."""
+    patch = (
+        "import errno, os\nimport matplotlib.figure as mf\nsave = mf.Figure.savefig\n"
+        "def full(self, fname, *args, **kwargs):\n"
+        "    if str(fname).endswith('W.png') and os.path.isdir(\n"
+        "            os.path.join(os.path.dirname(fname), 'ckpt', 'epoch_0001')):\n"
+        "        with open(fname, 'wb') as f:\n"
+        "            f.write(b'PNG')\n"
+        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+        "    return save(self, fname, *args, **kwargs)\n"
+        "mf.Figure.savefig = full"
+    )
+    out = tmp_path / "run"
+    done = run_patched(tmp_path, patch, *FLAGS, "--out", str(out))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    message = stopped_message(done.stderr)
+    assert message.startswith(f"recast.py: stopped: could not write W.png in {out}: the disk")
+    assert "the disk holding it is full ([Errno 28] No space left on device" in message
+    assert f"({out}/ckpt/epoch_0001) is kept" in message
+    assert f"continue: python recast.py --out {out} --resume" in message
+    assert os.listdir(out / "ckpt") == ["epoch_0001"]
+    if resume:
+        run_recast("--out", str(out), "--resume", env=ENV)
+        assert without_times(metrics_of(out)) == without_times(request.getfixturevalue("whole"))
+
+
 # ---------------------------------------------------------------------------------------------
 # A torn metrics.jsonl: the last line cut by a crash while appending
 # ---------------------------------------------------------------------------------------------
