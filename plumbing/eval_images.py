@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from plumbing import checkpoints
+
 FOLDER = "eval_images"
 
 
@@ -48,12 +50,19 @@ def save(out: str, images: torch.Tensor, start: int, index: dict, rank: int) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    for j, pixels in enumerate(to_uint8(images)):
-        Image.fromarray(pixels).save(os.path.join(tmp, f"{start + j:04d}.png"))
-    _barrier()
+    name = "index.json"
+    try:  # a full disk: the run's one line names the file and the run folder (not the .tmp one)
+        for j, pixels in enumerate(to_uint8(images)):
+            name = f"{start + j:04d}.png"
+            Image.fromarray(pixels).save(os.path.join(tmp, name))
+        _barrier()
+        if rank == 0:
+            name = "index.json"
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(index, f, indent=1)
+    except OSError as e:
+        raise checkpoints.write_failed(e, f"{FOLDER}/{name}", out) from e
     if rank == 0:
-        with open(os.path.join(tmp, "index.json"), "w") as f:
-            json.dump(index, f, indent=1)
         old = final + ".old"
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):

@@ -268,28 +268,47 @@ def test_a_full_disk_stops_the_run_with_exit_1_and_resume_is_exact(tmp_path, req
         assert without_times(metrics_of(out)) == without_times(request.getfixturevalue("whole"))
 
 
+# a write to an open file that a full disk refuses: a few bytes written, an OSError naming no file
+FULL_WHEN = (
+    "import errno, os, sys\n"
+    "def full_at_epoch_2(path):\n"
+    "    run = sys.argv[sys.argv.index('--out') + 1]\n"
+    "    if os.path.isdir(os.path.join(run, 'ckpt', 'epoch_0001')):\n"
+    "        with open(path, 'wb') as f:\n"
+    "            f.write(b'PNG')\n"
+    "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
+)
+PICTURES = {  # (the patch that fills the disk as the picture is written, its name in the line)
+    "W.png": ("import matplotlib.figure as mf\nsave = mf.Figure.savefig\n"
+              "def full(self, fname, *args, **kwargs):\n"
+              "    if str(fname).endswith('W.png'):\n"
+              "        full_at_epoch_2(str(fname))\n"
+              "    return save(self, fname, *args, **kwargs)\n"
+              "mf.Figure.savefig = full", "W.png"),
+    "eval-image": ("from PIL import Image\nsave = Image.Image.save\n"
+                   "def full(self, fp, *args, **kwargs):\n"
+                   "    if 'eval_images.tmp' in str(fp):\n"
+                   "        full_at_epoch_2(str(fp))\n"
+                   "    return save(self, fp, *args, **kwargs)\n"
+                   "Image.Image.save = full", "eval_images/0000.png"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("picture", PICTURES)
 @pytest.mark.parametrize("resume", THEN_RESUME)
-def test_a_full_disk_while_drawing_a_picture_stops_the_run_with_exit_1(tmp_path, request, resume):
-    """ENOSPC while W.png is drawn at epoch 2, as a write to an open file fails (a few bytes
-    written, an OSError naming no file): exit 1, one line naming W.png, the run folder, the
-    disk, the newest checkpoint (epoch 1's: epoch 2's is written after its picture) and the
-    --resume command; then, the disk freed, --resume matches the whole run."""
-    patch = (
-        "import errno, os\nimport matplotlib.figure as mf\nsave = mf.Figure.savefig\n"
-        "def full(self, fname, *args, **kwargs):\n"
-        "    if str(fname).endswith('W.png') and os.path.isdir(\n"
-        "            os.path.join(os.path.dirname(fname), 'ckpt', 'epoch_0001')):\n"
-        "        with open(fname, 'wb') as f:\n"
-        "            f.write(b'PNG')\n"
-        "        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
-        "    return save(self, fname, *args, **kwargs)\n"
-        "mf.Figure.savefig = full"
-    )
+def test_a_full_disk_while_drawing_a_picture_stops_the_run_with_exit_1(
+    tmp_path, request, resume, picture
+):
+    """ENOSPC while W.png, or an eval image, is written at epoch 2, as a write to an open file
+    fails (a few bytes written, an OSError naming no file): exit 1, one line naming the file, the
+    run folder, the disk, the newest checkpoint (epoch 1's: epoch 2's is written after its
+    pictures) and the --resume command; then, the disk freed, --resume matches the whole run."""
+    patch, name = PICTURES[picture]
     out = tmp_path / "run"
-    done = run_patched(tmp_path, patch, *FLAGS, "--out", str(out))
+    done = run_patched(tmp_path, FULL_WHEN + patch, *FLAGS, "--out", str(out))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     message = stopped_message(done.stderr)
-    assert message.startswith(f"recast.py: stopped: could not write W.png in {out}: the disk")
+    assert message.startswith(f"recast.py: stopped: could not write {name} in {out}: the disk")
     assert "the disk holding it is full ([Errno 28] No space left on device" in message
     assert f"({out}/ckpt/epoch_0001) is kept" in message
     assert f"continue: python recast.py --out {out} --resume" in message
