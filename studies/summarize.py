@@ -13,6 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
 from plumbing.plots import timestep_centroid  # noqa: E402
 
@@ -58,8 +59,26 @@ def read_args(run: str) -> dict:
         return json.load(f)
 
 
+def check_runs(runs: list[str]) -> list[list[dict]]:
+    """Each run's metrics.jsonl lines; a folder that is not a run, or a run with no eval after
+    training yet, exits 2 naming it."""
+    if not runs:
+        cli.fail("RUN", "give one or more run folders (recast.py's --out)", "summarize.py")
+    lines = []
+    for run in runs:
+        if not os.path.isfile(os.path.join(run, "args.json")):
+            cli.fail("RUN", f"{run} is not a run folder (no args.json): give recast.py's --out",
+                     "summarize.py")  # fmt: skip
+        lines.append(read_metrics(run))
+        if not any("gap/weighted" in m for m in lines[-1][1:]):
+            cli.fail("RUN", f"{run} has no eval after training yet (no gap/weighted in its "
+                     "metrics.jsonl): summarize it once it has passed its first --eval-every "
+                     "epoch", "summarize.py")  # fmt: skip
+    return lines
+
+
 def main(runs: list[str]) -> None:
-    lines = [read_metrics(run) for run in runs]
+    lines = check_runs(runs)
     base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
     names = [k[5:] for k in base if k.startswith("eval/")]
     seeds = [read_args(run)["seed"] for run in runs]
@@ -119,6 +138,6 @@ def main(runs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        sys.exit(print(__doc__))
     main(sys.argv[1:])

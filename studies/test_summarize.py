@@ -4,6 +4,8 @@ runs in which each reward and judge ends above the base model."""
 import json
 import os
 
+import pytest
+
 from studies import summarize
 
 NAMES = ["position", "background", "iou"]
@@ -43,3 +45,22 @@ def test_worst_seed_and_improvement_counts(tmp_path, capsys):
     assert rows == ["| 0 | +0.500 | +0.100 | +0.200 | +0.300 |",
                     "| 1 | +0.400 | +0.050 | +0.300 | +0.225 |",
                     "| 7 | +0.600 | -0.010 | +0.100 | +0.295 |"]  # fmt: skip
+
+
+def test_a_folder_that_is_not_a_run_or_not_yet_evaluated_exits_2_naming_it(tmp_path, capsys):
+    good = fake_run(tmp_path / "a", 0, {"position": 0.5, "background": 0.1, "iou": 0.2})
+    (tmp_path / "empty").mkdir()
+    base_only = fake_run(tmp_path / "b", 1, {"position": 0.5, "background": 0.1, "iou": 0.2})
+    with open(os.path.join(base_only, "metrics.jsonl")) as f:
+        first = f.readline()
+    with open(os.path.join(base_only, "metrics.jsonl"), "w") as f:
+        f.write(first)  # --epochs 0, or a run before its first eval
+    for runs, said in (([good, str(tmp_path / "empty")], "is not a run folder (no args.json)"),
+                       ([str(tmp_path / "nope")], "is not a run folder (no args.json)"),
+                       ([good, base_only], "has no eval after training yet"),
+                       ([], "give one or more run folders")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            summarize.main(runs)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("summarize.py: error: RUN: ") and said in err
+        assert err.count("\n") == 1
