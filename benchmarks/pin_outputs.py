@@ -15,7 +15,6 @@ runs the base's side alone (while the checkout is being changed). Refactors of r
 with this command's output recorded (docs/refactors.md).
 """
 
-import argparse
 import hashlib
 import json
 import os
@@ -25,6 +24,9 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))  # run from anywhere
+from plumbing import cli  # noqa: E402
+
 LAMBDA = "0.4,0.2,0.2,0.2"
 SD3_PROMPTS = [f"a {c} {t}" for c in ("red", "green", "blue", "gold") for t in ("cat", "boat")]
 RUNS = {  # name → (processes, flags); "{sd3}" and "{prompts}" are filled in
@@ -94,8 +96,11 @@ def files(run: Path) -> dict[str, str]:
             if p.is_file() and p.name != ".lock"}  # fmt: skip
 
 
+PROG = "pin_outputs.py"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="pin_outputs.py", description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("--base", required=True, help="the commit to compare this checkout against")
     ap.add_argument("--out", required=True, help="folder for the worktree, models and runs")
     ap.add_argument("--only", default=",".join(RUNS), help="runs to compare (toy,sd3,ddp)")
@@ -105,14 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run --base's side only (while this checkout is being changed)",
     )
     a = ap.parse_args(argv)
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     names = a.only.split(",")
     if bad := [n for n in names if n not in RUNS]:
-        ap.error(f"--only: unknown run {', '.join(bad)}; choose from {', '.join(RUNS)}")
+        cli.fail("--only", f"unknown run {', '.join(bad)}; choose from {', '.join(RUNS)}", PROG)
+    got = subprocess.run(["git", "rev-parse", "--verify", "--quiet", a.base + "^{commit}"],
+                         cwd=HERE, capture_output=True, text=True)  # fmt: skip
+    if got.returncode:
+        cli.fail("--base", f"{a.base!r} is not a commit of this repository: give a hash, tag or "
+                 "branch that `git log` shows", PROG)  # fmt: skip
+    rev = got.stdout.strip()
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     tree = out / "base-tree"
-    rev = subprocess.run(["git", "rev-parse", a.base], cwd=HERE, capture_output=True, text=True,
-                         check=True).stdout.strip()  # fmt: skip
     if tree.exists() and (tree / ".git").exists():
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
                               text=True).stdout.strip()  # fmt: skip

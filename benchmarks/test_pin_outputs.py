@@ -3,6 +3,8 @@ left out, every other byte counted."""
 
 import json
 
+import pytest
+
 from benchmarks import pin_outputs
 
 
@@ -29,3 +31,14 @@ def test_wall_clock_and_the_folder_name_do_not_count_and_everything_else_does(tm
     diff = {k for k, v in pin_outputs.files(tmp_path / "d").items()
             if pin_outputs.files(tmp_path / "a")[k] != v}  # fmt: skip
     assert diff == {"ckpt/model.safetensors"}
+
+
+def test_an_unknown_run_or_base_exits_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "pin"
+    for argv, flag in ((["--base", "HEAD", "--only", "toy,nosuch"], "--only"),
+                       (["--base", "no-such-commit", "--only", "toy"], "--base")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            pin_outputs.main([*argv, "--out", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"pin_outputs.py: error: {flag}: ")
+        assert err.count("\n") == 1 and not out.exists()
