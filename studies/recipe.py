@@ -23,6 +23,7 @@ across rows); with several seeds, also each recipe's mean ± std over them.
 import argparse
 import itertools
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -134,10 +135,22 @@ def final_metrics(out: str) -> dict:
     return [m for m in read_metrics(out) if "gap/weighted" in m][-1]
 
 
+def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
+    """--only's recipes (all when empty) and --seeds' seeds; an unknown recipe or a seed that is
+    not a whole number ≥ 0 exits 2 naming the flag."""
+    if bad := [n for n in only.split(",") if only and n not in RECIPES]:
+        cli.fail("--only", f"no recipe {', '.join(bad)}; the recipes: {', '.join(RECIPES)}",
+                 "recipe.py")  # fmt: skip
+    if not re.fullmatch(r"\d+(,\d+)*", seeds):
+        cli.fail("--seeds", f"takes seeds ≥ 0 separated by commas, e.g. 0,1,2; got {seeds!r}",
+                 "recipe.py")  # fmt: skip
+    recipes = [n for n in RECIPES if not only or n in only.split(",")]
+    return recipes, [int(s) for s in seeds.split(",")]
+
+
 def sweep(args) -> None:
+    recipes, seeds = sweep_plan(args.only, args.seeds)
     os.makedirs(args.out, exist_ok=True)
-    recipes = [n for n in RECIPES if not args.only or n in args.only.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
     runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
     outs = {name: os.path.join(args.out, name) for name in runs}
     with ThreadPoolExecutor(2) as pool:
