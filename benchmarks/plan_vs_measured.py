@@ -10,7 +10,6 @@ measured. Flags that name the check's temporary files, device or length are left
 held-out prompts are the report's number of them.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -24,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import memory_plan  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 DROP = {"--model", "--prompts-file", "--eval-prompts-file", "--out", "--device", "--epochs",
         "--eval-every"}  # fmt: skip
@@ -41,15 +41,30 @@ def plan_flags(run: dict) -> list[str]:
     return out + ["--eval-prompts", str(run["settings"]["eval_prompts"]), "--no-suggest"]
 
 
+PROG = "plan_vs_measured.py"
+
+
+def read_report(path: str) -> dict:
+    """The last JSON block of a scale check's report; a file that is missing, unreadable or holds
+    no such block exits 2 naming it."""
+    try:
+        blocks = re.findall(r"```json\n(.*?)```", Path(path).read_text(), re.S)
+        report = json.loads(blocks[-1]) if blocks else None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        cli.fail("REPORT", f"cannot read {path} ({e}): give a scale check's report, e.g. "
+                 "docs/gpu/h200_scale_check.md", PROG)  # fmt: skip
+    if not isinstance(report, dict) or not isinstance(report.get("runs"), dict):
+        cli.fail("REPORT", f"{path} has no scale check's JSON block (```json with its runs): "
+                 "give a report of benchmarks/scale_check.py, e.g. docs/gpu/h200_scale_check.md",
+                 PROG)  # fmt: skip
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n")[0])
     ap.add_argument("report", help="a scale check's report (scale_check.md)")
     args = ap.parse_args(argv)
-    text = Path(args.report).read_text()
-    blocks = re.findall(r"```json\n(.*?)```", text, re.S)
-    if not blocks:
-        sys.exit(f"{args.report}: no JSON block (is it a scale_check.md?)")
-    report = json.loads(blocks[-1])
+    report = read_report(args.report)
     print(f"{report['device']}: measured by benchmarks/scale_check.py; planned here by "
           "benchmarks/memory_plan.py. Peak allocated GiB per phase.\n")  # fmt: skip
     print("| run | phase | planned | measured | planned ÷ measured |\n|---|---|---|---|---|")

@@ -267,6 +267,24 @@ def test_a_scale_check_run_is_planned_with_its_own_flags():
     mp.parse(flags)  # the planner takes them
 
 
+def test_a_report_that_is_missing_or_not_a_scale_check_exits_2_naming_it(tmp_path, capsys):
+    """plan_vs_measured's REPORT: a missing file, a file with no JSON block, or one whose block
+    is not a scale check's: one line naming it, exit 2."""
+    from benchmarks import plan_vs_measured
+
+    (tmp_path / "notes.md").write_text("# notes\n")
+    (tmp_path / "other.md").write_text('```json\n{"a": 1}\n```\n')
+    (tmp_path / "torn.md").write_text('```json\n{"runs": \n```\n')
+    wrong = "has no scale check's"
+    for name, said in (("missing.md", "cannot read"), ("notes.md", wrong), ("other.md", wrong),
+                       ("torn.md", "cannot read")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            plan_vs_measured.main([str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith("plan_vs_measured.py: error: REPORT: ") and said in err
+
+
 def test_the_plan_runs_every_batch_and_the_transformer_where_the_peak_is():
     """PlannedRun.progress, recast.py's loops under the planner: every batch runs; the world's
     transformer (Autocasting.live) runs on the last batch, and the last full one too where the
