@@ -424,6 +424,13 @@ def test_reward_parity_without_its_environments_says_how_to_make_them(tmp_path, 
         reward_parity.main(["--rewards", "nope"])
     assert exit.value.code == 2
     assert "--rewards: no reference for ['nope']" in capsys.readouterr().err
+    for argv, flag in ((["--rewards", ","], "--rewards"), (["--rewards", ""], "--rewards"),
+                       (["--json", str(tmp_path / "nope" / "r.json")], "--json")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit:  # an empty list ran nothing and passed
+            reward_parity.main([*argv, "--envs", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and err.startswith(f"reward_parity.py: error: {flag}: ")
+        assert err.count("\n") == 1
 
 
 @pytest.mark.slow

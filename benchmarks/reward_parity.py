@@ -29,6 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+from plumbing import cli  # noqa: E402
+
 HERE = Path(__file__).resolve().parent / "parity_envs"
 DEFAULT_ENVS = Path(os.environ.get("RECAST_PARITY_ENVS", "~/.cache/recast/parity_envs"))
 
@@ -285,8 +288,11 @@ def compare(name: str, envs: Path, work: Path) -> dict:
     }
 
 
+PROG = "reward_parity.py"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--setup", action="store_true", help="create the reference venvs")
     parser.add_argument("--envs", type=Path, default=DEFAULT_ENVS, help="where the venvs live")
     parser.add_argument("--rewards", default=",".join(REFERENCES), help="comma-separated")
@@ -296,8 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = [n for n in args.rewards.split(",") if n]
     unknown = [n for n in names if n not in REFERENCES]
-    if unknown:
-        parser.error(f"--rewards: no reference for {unknown}; known: {', '.join(REFERENCES)}")
+    if unknown or not names:
+        cli.fail("--rewards", f"no reference for {unknown or repr(args.rewards)}; known: "
+                 f"{', '.join(REFERENCES)}", PROG)  # fmt: skip
+    if args.json and not args.json.resolve().parent.is_dir():
+        cli.fail("--json", f"{args.json}'s folder does not exist: give a file in an existing "
+                 "folder (it is written after every comparison has run)", PROG)  # fmt: skip
     if args.ours:  # rewards.py's scores of a work folder's saved inputs, run by compare()
         prompts = json.loads((args.ours / "prompts.json").read_text())
         pictures = [read_png(path) for path in sorted((args.ours / "images").glob("*.png"))]
