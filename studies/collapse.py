@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from plumbing import cli  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
 from studies import comparison  # noqa: E402
 
@@ -49,10 +50,14 @@ RUNS = {  # name → recast.py flags (with the study's dispatch for the test's c
     **{f"default-s{s}": ["--lambda", DEFAULT, "--seed", str(s)] for s in (0, 9)},
 }  # fmt: skip
 ARMS = ("uniform", "sum", "recast", "joint")  # per-reward ReCAST is `recast` in the archive
+PROG = "collapse.py"
 
 
 def run(args) -> None:
     """Every run of RUNS not finished in --out (an unfinished one resumes), two at a time."""
+    if not os.path.isfile(os.path.join(args.code, "recast.py")):
+        cli.fail("--code", f"{args.code} holds no recast.py: give the checkout whose recast.py "
+                 "runs (default: this one)", PROG)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
 
     def one(name: str) -> None:
@@ -100,6 +105,9 @@ def variance_parts(records: dict, prefix: str, names: list[str]) -> dict[str, di
 def report(args) -> None:
     runs = {n: read_metrics(os.path.join(args.out, n)) for n in RUNS
             if comparison.done(os.path.join(args.out, n))}  # fmt: skip
+    if not runs:
+        cli.fail("--out", f"{args.out} holds none of the study's finished runs ({', '.join(RUNS)}"
+                 "): give the --out that `collapse.py run` wrote to", PROG)  # fmt: skip
     records = comparison.read_archive(comparison.ARCHIVE)
     parts = {"setting 1": variance_parts(records, "d1", SETTING1),
              "setting 3": variance_parts(records, "t3", SETTING3)}  # fmt: skip
@@ -182,11 +190,15 @@ def figure(runs: dict, parts: dict, path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("command", choices=["run", "report"])
     ap.add_argument("--code", default=ROOT, help="the checkout whose recast.py runs")
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "collapse"), help="run folders")
     ap.add_argument("--to", default=os.path.join(ROOT, "docs", "collapse"), help="report folder")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run(args) if args.command == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()
