@@ -95,6 +95,14 @@ def parse(cls, argv: list[str] | None, description: str, before: dict | None = N
     return cls(**vars(args))
 
 
+def count(text: str) -> int:
+    """argparse's type of a flag that counts (--threads, --prompts): a whole number ≥ 1, or
+    Parser's one line, not a traceback where the count is first used."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number ≥ 1, got {text!r}")
+    return int(text)
+
+
 def parse_lambda(text: str, names: list[str]) -> "torch.Tensor":
     """--lambda → budgets (K,) float64 normalised to sum 1 (with a note when they did not)."""
     import torch  # not at the top: recast.py --help must not wait for it

@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import harness  # noqa: E402
 import recast  # noqa: E402
+from plumbing import cli  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
 from recast import gain_profiles, group_optimality, recast_weights  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
@@ -53,7 +54,7 @@ def settled_step(scores: torch.Tensor) -> int:
     return step
 
 
-def main(args) -> None:
+def anatomy(args) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     flags = ["--lambda", args.lam, "--device", "cpu", "--seed", str(args.seed)]
@@ -187,11 +188,15 @@ def main(args) -> None:
     print(f"wrote {args.out}/steps.png, scores.png, gains.png, mix.png, anatomy.json")
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(prog="anatomy.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--lambda", dest="lam", default="0.4,0.2,0.2,0.2")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=cli.count, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "anatomy"))
-    main(ap.parse_args())
+    anatomy(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,7 @@ sys.path.insert(0, ROOT)
 import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
+from plumbing import cli  # noqa: E402
 from recast import group_optimality  # noqa: E402
 from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
@@ -64,7 +65,7 @@ def unit_sum(x: torch.Tensor) -> torch.Tensor:
     return x / (s if s > 0 else x.abs().sum().clamp(min=1e-30))
 
 
-def main(args) -> None:
+def diagnostic(args) -> None:
     torch.set_num_threads(args.threads)
     a = recast.Args()  # β, A_max, α: the training defaults
     world = harness.load_world(a, torch.device("cpu"))
@@ -206,17 +207,23 @@ def main(args) -> None:
     print(f"wrote {args.out}/diagnostic.json, {args.out}/diagnostic.png")
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(
+        prog="diagnostic.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--prompts", type=int, default=16, help="rollout prompts")
+    ap.add_argument("--prompts", type=cli.count, default=16, help="rollout prompts")
     ap.add_argument("--group-size", type=int, default=8, help="images per prompt (G)")
-    ap.add_argument("--steps", type=int, default=10, help="sampler steps T")
+    ap.add_argument("--steps", type=cli.count, default=10, help="sampler steps T")
     ap.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts (0: all 32)")
-    ap.add_argument("--eval-seeds", type=int, default=4, help="images per held-out prompt")
+    ap.add_argument("--eval-seeds", type=cli.count, default=4, help="images per held-out prompt")
     ap.add_argument("--delta", type=float, default=3e-4, help="step δ as a fraction of ‖θ‖")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=cli.count, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "diagnostic"))
-    main(ap.parse_args())
+    diagnostic(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -179,17 +179,21 @@ def sweep(args) -> None:
             print(f"| {n} | {' | '.join(cells)} |")
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(
+        prog="recipe.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     sg = sub.add_parser("signal", help="repeatability of the update on the base model")
     sg.add_argument("--seed", type=int, default=0)
-    sg.add_argument("--threads", type=int, default=1)
+    sg.add_argument("--threads", type=cli.count, default=1)
     sw = sub.add_parser("sweep", help="learning speed of the recipes (resumable)")
     sw.add_argument("--seeds", default="0", help="comma-separated seeds; folder NAME-sS for S ≠ 0")
     sw.add_argument("--only", default="", help="comma-separated recipe names (default: all)")
     sw.add_argument("--out", default="sweeps/recipe")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     signal(args) if args.cmd == "signal" else sweep(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,5 @@
-"""studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made."""
+"""studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made;
+and a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2."""
 
 import pytest
 
@@ -15,3 +16,24 @@ def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(t
         assert e.value.code == 2 and err.startswith(f"recipe.py: error: {flag}: ")
         assert err.count("\n") == 1 and not out.exists()
     assert recipe.sweep_plan("", "0,3") == (list(recipe.RECIPES), [0, 3])
+
+
+@pytest.mark.parametrize("script", ["recipe", "anatomy", "diagnostic"])
+def test_a_count_below_one_exits_2_naming_the_flag(script, tmp_path, capsys):
+    """--threads 0 (and diagnostic's --prompts, --steps, --eval-seeds): one line, exit 2, before
+    torch.set_num_threads's traceback or anything written."""
+    import importlib
+
+    main = importlib.import_module(f"studies.{script}").main
+    out = ["--out", str(tmp_path / "out")] if script != "recipe" else []
+    cases = [["--threads", "0"], ["--threads", "-2"], ["--threads", "x"]]
+    if script == "diagnostic":
+        cases += [["--prompts", "0"], ["--steps", "0"], ["--eval-seeds", "0"]]
+    for argv in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["signal", *argv] if script == "recipe" else [*argv, *out])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        prog = "recipe.py signal" if script == "recipe" else f"{script}.py"
+        assert err.startswith(f"{prog}: error: {argv[0]}: takes a whole number ≥ 1, got ")
+        assert not (tmp_path / "out").exists()
