@@ -25,7 +25,6 @@ predictions), and prints, per resolution:
 The difference between the columns names what the tracer does not see.
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import memtrace, modelzoo  # noqa: E402
+from plumbing import cli  # noqa: E402
 from worlds import flux2world, fluxworld, qwenimageworld, sd3world  # noqa: E402
 
 GIB = 2**30
@@ -138,11 +138,18 @@ def scratch(vae, n: int, px: int, bf16: bool, convs: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shrink", type=int, default=0, help="widths ÷ F (CPU: the trace alone)")
+    ap = cli.Parser(prog="decode_memory.py", description=__doc__.split("\n")[0])
+    shrinks = ", ".join(map(str, modelzoo.SHRINKS))
+    ap.add_argument("--shrink", type=int, default=0, help=f"widths ÷ F, one of {shrinks} (CPU: "
+                    "the trace alone)")  # fmt: skip
     ap.add_argument("--family", choices=[*FAMILIES, "all"], default="all")
     ap.add_argument("--convs", help="CUDA: write every convolution's scratch bytes here (JSON)")
     args = ap.parse_args(argv)
+    if args.shrink and args.shrink not in modelzoo.SHRINKS:  # the zoo's widths divide by these
+        cli.fail("--shrink", f"must be one of {shrinks}, got {args.shrink}", ap.prog)
+    if args.convs and not os.path.isdir(os.path.dirname(os.path.abspath(args.convs))):
+        cli.fail("--convs", f"{os.path.dirname(args.convs)} is not a folder: make it first, or "
+                 "write the file elsewhere", ap.prog)  # fmt: skip
     c = modelzoo.load_configs(args.shrink)
     cuda = torch.cuda.is_available() and not args.shrink
     resolutions = (512, 1024) if not args.shrink else (64, 128)

@@ -142,3 +142,21 @@ def test_the_decode_probe_plans_at_least_what_it_traces():
     traced = decode_memory.traced(c, "SD3.5-Medium", 2, 64, False)
     planned = decode_memory.traced(c, "SD3.5-Medium", 2, 64, False, workspace=True)
     assert 0 < traced < planned
+
+
+def test_the_decode_probe_rejects_a_shrink_the_zoo_does_not_know(tmp_path, capsys):
+    """--shrink 3 (or -2) ended in a GroupNorm ValueError traceback after the table's header, and
+    --convs in a missing folder failed after every measurement: one line, exit 2, nothing run."""
+    from benchmarks import decode_memory
+
+    cases = {
+        "--shrink 3": "--shrink: must be one of 2, 4, 8, 16, got 3",
+        "--shrink -2": "--shrink: must be one of 2, 4, 8, 16, got -2",
+        f"--convs {tmp_path}/no/c.json": f"--convs: {tmp_path}/no is not a folder",
+    }
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            decode_memory.main(argv.split())
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(f"decode_memory.py: error: {said}")
