@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
-from plumbing import plots  # noqa: E402
+from plumbing import cli, plots  # noqa: E402
 from recast import gain_profiles  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
 from worlds import toyworld as tw  # noqa: E402
@@ -214,9 +214,11 @@ def print_measure() -> None:
               + " | ".join(f"{v:+.2f}" for v in m["corr"][k].tolist()) + " |")  # fmt: skip
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(
+        prog="base_model.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", default="docs", help="folder for the PNGs")
     ap.add_argument(
@@ -227,8 +229,14 @@ if __name__ == "__main__":
     )
     ap.add_argument("--measure", action="store_true",
                     help="print what settings 3 and 4 were chosen on")  # fmt: skip
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.measure:
         print_measure()
-    else:
-        report(a.out, a.rewards == "toy2")
+        return
+    if os.path.exists(a.out) and not os.path.isdir(a.out):  # before the model samples a minute
+        cli.fail("--out", f"{a.out} is a file, not a folder for the PNGs: pick a folder", ap.prog)
+    report(a.out, a.rewards == "toy2")
+
+
+if __name__ == "__main__":
+    main()
