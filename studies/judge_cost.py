@@ -15,11 +15,17 @@ python studies/judge_cost.py --size 1024 --tflops 300
   other 28. A pair is two forwards (both orders).
 """
 
-import argparse
+import math
+import os
+import sys
 
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from plumbing import cli  # noqa: E402
+
+SIZES = (56, 3584)  # px a side that Qwen2-VL's image processor keeps within its pixel bounds
 TEXT_TOKENS = 90  # chat format (~20), QUESTION (~40) and a prompt of ~30 tokens
 VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
               spatial_merge_size=2, temporal_patch_size=2, window_size=112,
@@ -86,11 +92,17 @@ def forward_flop(name: str, n: dict[str, int], size: int) -> dict[str, float]:
     return f
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=int, default=512, help="image side in pixels")
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.Parser(prog="judge_cost.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=512,
+                    help=f"image side in pixels, {SIZES[0]} to {SIZES[1]}")  # fmt: skip
     ap.add_argument("--tflops", type=float, default=400.0, help="assumed bf16 rate, TFLOP/s")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not SIZES[0] <= args.size <= SIZES[1]:  # image_patches's resizing holds there only
+        cli.fail("--size", f"must be {SIZES[0]} to {SIZES[1]} px (within Qwen2-VL's pixel bounds, "
+                 f"where image_patches counts), got {args.size}", ap.prog)  # fmt: skip
+    if not 0 < args.tflops < math.inf:
+        cli.fail("--tflops", f"must be > 0 and finite, got {args.tflops}", ap.prog)
     print(f"{args.size} px images; {args.tflops:g} TFLOP/s assumed\n")
     print("| model | parameters | weights in bf16 | tokens (patches) a forward | TFLOP a forward "
           "| TFLOP a pair | s a pair |")  # fmt: skip

@@ -1,5 +1,7 @@
 """studies/judge_cost.py: the parameter counts docs/judge.md states, and the image tokens."""
 
+import pytest
+
 from studies import judge_cost
 
 
@@ -14,3 +16,21 @@ def test_image_patches_follow_qwen2_vl_resizing():
     assert judge_cost.image_patches(512) == 36 * 36  # 504 px a side
     assert judge_cost.image_patches(64) == 4 * 4  # 56 px, as the tiny model's tests see it
     assert judge_cost.image_patches(1024) == 74 * 74  # 1036 px
+
+
+def test_a_size_or_rate_out_of_range_exits_2_naming_it(capsys):
+    """--size 0 printed a table of meaningless numbers with exit 0; --tflops 0 ended in a
+    ZeroDivisionError traceback after the first model was built. One line, exit 2, no table."""
+    cases = {
+        "--size 0": "--size: must be 56 to 3584 px",
+        "--size 4000": "--size: must be 56 to 3584 px",
+        "--tflops 0": "--tflops: must be > 0 and finite, got 0.0",
+        "--tflops inf": "--tflops: must be > 0 and finite, got inf",
+        "--size x": "--size: invalid int value",
+    }
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            judge_cost.main(argv.split())
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(f"judge_cost.py: error: {said}")
