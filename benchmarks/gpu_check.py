@@ -39,7 +39,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from anywhere
+from plumbing import cli  # noqa: E402 (after the path)
+
 BUDGET_S = 10 * 60
+STEP_S = 10  # a step with fewer seconds of the budget left is skipped
+PROG = "gpu_check.py"
 LAMBDA = "0.4,0.2,0.2,0.2"
 # (epochs, relative + absolute tolerance of rewards and evals, W's absolute tolerance, loss's rel.)
 TOLERANCES = {0: (0.01, 1e-3, 2e-3, 0.01), 1: (0.01, 1e-3, 2e-3, 0.01), 2: (0.03, 3e-3, 5e-3, 0.03)}
@@ -65,7 +70,7 @@ class Steps:
     def run(self, name, command, limit, env=None) -> tuple[bool, str]:
         log = self.out / f"{name}.log"
         limit = min(limit, self.left())
-        if limit < 10:
+        if limit < STEP_S:
             self.rows.append((name, "skipped: time budget spent", 0.0, command, ""))
             return False, ""
         tic = time.monotonic()
@@ -203,7 +208,7 @@ def write_report(out: Path, steps: Steps, extra: dict[str, str]) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu_check_out", help="folder for the report and logs")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all the steps")
     ap.add_argument("--no-sync-step", action="store_true", help=argparse.SUPPRESS)
@@ -211,6 +216,11 @@ def main(argv=None) -> int:
     if args.no_sync_step:
         no_sync_check()
         return 0
+    if not args.budget >= STEP_S:  # before the CUDA check: a wrong flag is said on any machine
+        cli.fail("--budget", f"must be a number of seconds ≥ {STEP_S} (a step with less left is "
+                 f"skipped), got {args.budget}", PROG)  # fmt: skip
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        cli.fail("--out", f"{args.out} is a file, not a folder for the report: pick another", PROG)
     import torch
 
     if not torch.cuda.is_available():
@@ -230,8 +240,7 @@ def main(argv=None) -> int:
     cpu_dir, cuda_dir = out / "toy_cpu", out / "toy_cuda"
     for folder in (cpu_dir, cuda_dir):
         if folder.exists():
-            print(f"gpu_check: {folder} exists; use another --out", file=sys.stderr)
-            return 2
+            cli.fail("--out", f"{folder} exists: use another --out", PROG)
     # 1. the CPU toy run, in the background
     cpu_log = (out / "toy_cpu.log").open("w")
     cpu_command = [py, *toy, "--device", "cpu", "--out", str(cpu_dir)]
