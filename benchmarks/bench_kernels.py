@@ -23,7 +23,6 @@ of time, with the specialisation (tt.divisibility = 16 on aligned pointers and o
 divisible by 16) a real launch at each size gives it, and prints registers and spills.
 """
 
-import argparse
 import json
 import math
 import os
@@ -40,6 +39,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
+from plumbing import cli  # noqa: E402
 from recast_kernels import nft_loss as nft_module  # noqa: E402
 from recast_kernels import renyi as renyi_module  # noqa: E402
 from recast_kernels.aot import launch_specs, specialised_source  # noqa: E402
@@ -410,9 +410,12 @@ def aot_register_table(capability: int = 90) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog="bench_kernels.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        cli.fail("--json", f"{args.json}'s folder does not exist: give a file in an existing "
+                 "folder (it is written after the whole benchmark has run)", ap.prog)  # fmt: skip
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this benchmark times and compiles real kernels")
     results = gpu_tables() if torch.cuda.is_available() else cpu_tables()
