@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import rewards
+from plumbing import cli
 from reward_models import ocr_reader, paddle_reader
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,13 +168,15 @@ def table(rows: list, scored: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.Parser(prog="ocr_readers.py", description=__doc__,
+                   formatter_class=argparse.RawTextHelpFormatter)  # fmt: skip
     p.add_argument("--words", type=int, default=10, help="texts of prompts/ocr_eval.txt (1-64)")
     p.add_argument("--seed", type=int, default=0, help="draws the texts and the damage")
     p.add_argument("--show", action="store_true", help="print every read")
     args = p.parse_args(argv)
     if not 1 <= args.words <= 64:
-        p.error(f"--words: {args.words} is not in 1-64 (prompts/ocr_eval.txt quotes 64 texts)")
+        cli.fail("--words", f"{args.words} is not in 1-64 (prompts/ocr_eval.txt quotes 64 texts)",
+                 p.prog)  # fmt: skip
     rows = cases(args.words, args.seed)
     cpu = torch.device("cpu")
     readers = {"EasyOCR": ocr_reader.load_reader(cpu), "PaddleOCR": paddle_reader.load_reader(cpu)}

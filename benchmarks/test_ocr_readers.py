@@ -51,6 +51,11 @@ def test_table_scores_against_the_true_text_and_counts_ties_half():
 
 
 def test_bad_words_exit_2_naming_the_flag(capsys):
-    with pytest.raises(SystemExit) as e:
-        ocr_readers.main(["--words", "65"])
-    assert e.value.code == 2 and "--words" in capsys.readouterr().err
+    """One line naming the flag (it was argparse's usage block and then the message)."""
+    for argv, said in {"--words 65": "--words: 65 is not in 1-64", "--words x": "--words: invalid",
+                       "--seed": "--seed: expected one argument"}.items():  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            ocr_readers.main(argv.split())
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"ocr_readers.py: error: {said}")
