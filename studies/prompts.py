@@ -28,6 +28,8 @@ import json
 import os
 import random
 
+from plumbing import cli
+
 # COCO's 80 object classes (the detection categories GenEval's object detector knows)
 COCO = [
     "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat",
@@ -204,8 +206,8 @@ def write(sets: dict, out: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m studies.prompts", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = cli.Parser(prog="python -m studies.prompts", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", default="prompts", help="folder to write (default: prompts)")
     ap.add_argument("--seed", type=int, default=0, help="the one seed of every draw (default: 0)")
     sizes = {"train_per": (300, "geneval: training scenes per category, at most"),
@@ -218,7 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     for flag in ("train_per", "eval_per", "ocr_eval", "ocr_per_text"):
         if getattr(a, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be ≥ 1")
+            cli.fail(f"--{flag.replace('_', '-')}", f"must be ≥ 1, got {getattr(a, flag)}", ap.prog)
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        cli.fail("--out", f"{a.out} is a file, not a folder for the prompt sets: pick another",
+                 ap.prog)  # fmt: skip
     sets = generate(a.seed, a.train_per, a.eval_per, a.ocr_eval, a.ocr_per_text)
     for path in write(sets, a.out):
         if path.endswith(".txt"):

@@ -5,6 +5,8 @@ import filecmp
 import json
 import os
 
+import pytest
+
 import rewards
 from studies import prompts
 
@@ -68,3 +70,23 @@ def test_every_preset_has_its_prompts_documented():
         assert f"`{preset}`" in text, preset
     named = set(re.findall(r"prompts/(\w+\.txt)", text))
     assert named and all(os.path.isfile(os.path.join(HERE, "prompts", n)) for n in named), named
+
+
+def test_a_size_below_one_or_an_out_that_is_a_file_exits_2_in_one_line(tmp_path, capsys):
+    """A size below 1 was argparse's usage block; an --out that is a file ended in os.makedirs's
+    FileExistsError traceback after every set was drawn. One line naming the flag, exit 2."""
+    file = tmp_path / "sets"
+    file.write_text("kept")
+    cases = {
+        f"--ocr-eval 0 --out {tmp_path}/a": "--ocr-eval: must be ≥ 1, got 0",
+        f"--train-per -3 --out {tmp_path}/a": "--train-per: must be ≥ 1, got -3",
+        f"--out {file}": f"--out: {file} is a file",
+        "--seed x": "--seed: invalid int value",
+    }
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            prompts.main(argv.split())
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"python -m studies.prompts: error: {said}")
+    assert sorted(tmp_path.iterdir()) == [file] and file.read_text() == "kept"
