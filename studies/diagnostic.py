@@ -35,6 +35,7 @@ runs.
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -222,7 +223,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=cli.count, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "diagnostic"))
-    diagnostic(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if args.group_size < 2:  # G = 1: every gain 0 and every r 1/2, nothing compared in a group
+        cli.fail("--group-size", f"needs ≥ 2 images per prompt to compare them within a group, "
+                 f"got {args.group_size}", ap.prog)  # fmt: skip
+    if args.eval_prompts < 0:
+        cli.fail("--eval-prompts", f"must be ≥ 0 (0: all), got {args.eval_prompts}", ap.prog)
+    if not 0 < args.delta < math.inf:  # effect divides by 2δ
+        cli.fail("--delta", f"must be > 0 and finite, got {args.delta}", ap.prog)
+    diagnostic(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made;
-and a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2."""
+a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as do
+anatomy.py's bad --lambda (naming anatomy.py) and diagnostic.py's --group-size 1."""
 
 import pytest
 
@@ -37,3 +38,24 @@ def test_a_count_below_one_exits_2_naming_the_flag(script, tmp_path, capsys):
         prog = "recipe.py signal" if script == "recipe" else f"{script}.py"
         assert err.startswith(f"{prog}: error: {argv[0]}: takes a whole number ≥ 1, got ")
         assert not (tmp_path / "out").exists()
+
+
+def test_diagnostic_without_a_group_to_compare_exits_2_naming_the_flag(tmp_path, capsys):
+    """--group-size 1 ran the whole diagnostic (minutes) on every gain 0 and every r 1/2, 0 and
+    below failed in the rollout; --eval-prompts below 0 and --delta 0 are checked alike."""
+    from studies import diagnostic
+
+    cases = {
+        "--group-size 1": "--group-size: needs ≥ 2 images per prompt",
+        "--group-size 0": "--group-size: needs ≥ 2 images per prompt",
+        "--eval-prompts -1": "--eval-prompts: must be ≥ 0 (0: all), got -1",
+        "--delta 0": "--delta: must be > 0 and finite, got 0.0",
+        "--delta nan": "--delta: must be > 0 and finite, got nan",
+    }
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            diagnostic.main([*argv.split(), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"diagnostic.py: error: {said}")
+    assert not (tmp_path / "out").exists()
