@@ -60,8 +60,8 @@ def read_args(run: str) -> dict:
 
 
 def check_runs(runs: list[str]) -> list[list[dict]]:
-    """Each run's metrics.jsonl lines; a folder that is not a run, or a run with no eval after
-    training yet, exits 2 naming it."""
+    """Each run's metrics.jsonl lines; a folder that is not a run, a run with no eval after
+    training yet, or one of other rewards or judges than the first run's, exits 2 naming it."""
     if not runs:
         cli.fail("RUN", "give one or more run folders (recast.py's --out)", "summarize.py")
     lines = []
@@ -74,6 +74,14 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
             cli.fail("RUN", f"{run} has no eval after training yet (no gap/weighted in its "
                      "metrics.jsonl): summarize it once it has passed its first --eval-every "
                      "epoch", "summarize.py")  # fmt: skip
+    setting = [
+        ([k[5:] for k in ls[0] if k.startswith("eval/")], len(ls[1].get("W", ()))) for ls in lines
+    ]
+    for run, (names, k) in zip(runs, setting, strict=True):
+        if (names, k) != setting[0]:  # its rows would be looked up in the first run's rewards
+            cli.fail("RUN", f"{run} is evaluated on {', '.join(names)} ({k} trained on, W's rows), "
+                     f"{runs[0]} on {', '.join(setting[0][0])} ({setting[0][1]}): summarize runs "
+                     "of one --rewards and --judges (its seeds)", "summarize.py")  # fmt: skip
     return lines
 
 

@@ -64,3 +64,27 @@ def test_a_folder_that_is_not_a_run_or_not_yet_evaluated_exits_2_naming_it(tmp_p
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("summarize.py: error: RUN: ") and said in err
         assert err.count("\n") == 1
+
+
+def test_runs_of_other_rewards_or_judges_exit_2_naming_the_run(tmp_path, capsys):
+    """Runs trained or judged on other rewards than the first ended in a KeyError traceback (its
+    rows looked up under the first run's names), or a shape error in W's check."""
+    final = {"position": 0.5, "background": 0.1, "iou": 0.2}
+    good = fake_run(tmp_path / "a", 0, final)
+    judged = fake_run(tmp_path / "b", 1, final)  # judged on color, not iou
+    text = (tmp_path / "b" / "metrics.jsonl").read_text()
+    (tmp_path / "b" / "metrics.jsonl").write_text(text.replace("/iou", "/color"))
+    trained = fake_run(tmp_path / "c", 2, final)  # three rewards trained on: three rows of W
+    lines = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["W"] = [[0.1, 0.1], [0.1, 0.1], [0.3, 0.3]]
+    (tmp_path / "c" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    cases = {
+        judged: "on position, background, color (2 trained on, W's rows)",
+        trained: "on position, background, iou (3 trained on, W's rows)",
+    }
+    for run, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            summarize.main([good, run])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(f"summarize.py: error: RUN: {run} is evaluated {said}, {good} on ")
