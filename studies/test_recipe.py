@@ -1,6 +1,6 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made;
-a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as do
-anatomy.py's bad --lambda (naming anatomy.py) and diagnostic.py's --group-size 1."""
+a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as does
+diagnostic.py's --group-size 1."""
 
 import pytest
 
