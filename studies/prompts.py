@@ -221,6 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("train_per", "eval_per", "ocr_eval", "ocr_per_text"):
         if getattr(a, flag) < 1:
             cli.fail(f"--{flag.replace('_', '-')}", f"must be ≥ 1, got {getattr(a, flag)}", ap.prog)
+    # what is held out comes first, training takes the rest: each must leave some to train on
+    scenes, texts = len(COCO), len(ocr_texts(random.Random(0)))  # single_object: the fewest
+    if a.eval_per >= scenes:
+        cli.fail("--eval-per", f"must be below {scenes}, the scenes of single_object (the "
+                 f"smallest category), so every category keeps some to train on; got "
+                 f"{a.eval_per}", ap.prog)  # fmt: skip
+    if a.ocr_eval >= texts:
+        cli.fail("--ocr-eval", f"must be below {texts}, the OCR set's texts, so some are left to "
+                 f"train on; got {a.ocr_eval}", ap.prog)  # fmt: skip
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         cli.fail("--out", f"{a.out} is a file, not a folder for the prompt sets: pick another",
                  ap.prog)  # fmt: skip

@@ -90,3 +90,23 @@ def test_a_size_below_one_or_an_out_that_is_a_file_exits_2_in_one_line(tmp_path,
         assert e.value.code == 2 and err.count("\n") == 1
         assert err.startswith(f"python -m studies.prompts: error: {said}")
     assert sorted(tmp_path.iterdir()) == [file] and file.read_text() == "kept"
+
+
+def test_an_eval_size_that_leaves_nothing_to_train_on_exits_2_before_writing(tmp_path, capsys):
+    """--eval-per at least single_object's 80 scenes left that category out of training (and at
+    all 316,000 colour-attribution scenes an empty geneval_train.txt); --ocr-eval at least the 560
+    texts wrote an empty ocr_train.txt. Both wrote with exit 0; now one line, exit 2, nothing
+    written. One below the bound is still a set with something to train on."""
+    cases = {"--eval-per 80": "--eval-per: must be below 80, the scenes of single_object",
+             "--eval-per 400000": "--eval-per: must be below 80",
+             "--ocr-eval 560": "--ocr-eval: must be below 560, the OCR set's texts"}  # fmt: skip
+    for argv, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            prompts.main([*argv.split(), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"python -m studies.prompts: error: {said}")
+    assert not (tmp_path / "out").exists()
+    sets = prompts.generate(train_per=1, eval_per=79, ocr_eval=559, ocr_per_text=1)
+    trained = {r["category"] for r in sets["geneval"]["train"]}
+    assert trained == set(prompts.CATEGORIES) and len(sets["ocr"]["train"]) == 1
