@@ -227,10 +227,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.group_size < 2:  # G = 1: every gain 0 and every r 1/2, nothing compared in a group
         cli.fail("--group-size", f"needs ≥ 2 images per prompt to compare them within a group, "
                  f"got {args.group_size}", ap.prog)  # fmt: skip
+    if args.steps < 2:  # recast.py's minimum: ρ over the timesteps needs two of them
+        cli.fail("--steps", f"needs ≥ 2 sampler steps (ρ over timesteps), got {args.steps}",
+                 ap.prog)  # fmt: skip
     if args.eval_prompts < 0:
         cli.fail("--eval-prompts", f"must be ≥ 0 (0: all), got {args.eval_prompts}", ap.prog)
     if not 0 < args.delta < math.inf:  # effect divides by 2δ
         cli.fail("--delta", f"must be > 0 and finite, got {args.delta}", ap.prog)
+    if args.steps < 4:  # (b) pairs T - 1 timesteps, (b2) T - 2: ρ of fewer than 2 is nan
+        print(f"note: --steps {args.steps}: ρ (b) and (b2) are over T - 1 = {args.steps - 1} "
+              f"and T - 2 = {args.steps - 2} timesteps, nan below 2; --steps 4 or more fills "
+              "every column")  # fmt: skip
     diagnostic(args)
 
 

@@ -1,6 +1,6 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made;
-a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as does
-diagnostic.py's --group-size 1."""
+a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as do
+diagnostic.py's --group-size 1 and --steps 1; its --steps 2 and 3 print a note."""
 
 import pytest
 
@@ -42,12 +42,14 @@ def test_a_count_below_one_exits_2_naming_the_flag(script, tmp_path, capsys):
 
 def test_diagnostic_without_a_group_to_compare_exits_2_naming_the_flag(tmp_path, capsys):
     """--group-size 1 ran the whole diagnostic (minutes) on every gain 0 and every r 1/2, 0 and
-    below failed in the rollout; --eval-prompts below 0 and --delta 0 are checked alike."""
+    below failed in the rollout; --steps 1 took each Spearman ρ over one timestep (recast.py
+    needs 2); --eval-prompts below 0 and --delta 0 are checked alike."""
     from studies import diagnostic
 
     cases = {
         "--group-size 1": "--group-size: needs ≥ 2 images per prompt",
         "--group-size 0": "--group-size: needs ≥ 2 images per prompt",
+        "--steps 1": "--steps: needs ≥ 2 sampler steps (ρ over timesteps), got 1",
         "--eval-prompts -1": "--eval-prompts: must be ≥ 0 (0: all), got -1",
         "--delta 0": "--delta: must be > 0 and finite, got 0.0",
         "--delta nan": "--delta: must be > 0 and finite, got nan",
@@ -59,3 +61,19 @@ def test_diagnostic_without_a_group_to_compare_exits_2_naming_the_flag(tmp_path,
         assert e.value.code == 2 and err.count("\n") == 1
         assert err.startswith(f"diagnostic.py: error: {said}")
     assert not (tmp_path / "out").exists()
+
+
+def test_diagnostic_with_too_few_steps_for_every_shift_says_so(monkeypatch, capsys):
+    """--steps 2 and 3 are valid, but ρ with the gains one or two steps earlier pairs fewer than
+    2 timesteps (nan in the table): a note says so before the diagnostic runs."""
+    from studies import diagnostic
+
+    monkeypatch.setattr(diagnostic, "diagnostic", lambda args: None)  # the flags only
+    for steps in (2, 3):
+        diagnostic.main(["--steps", str(steps)])
+        said = f"ρ (b) and (b2) are over T - 1 = {steps - 1} and T - 2 = {steps - 2} timesteps"
+        out = capsys.readouterr().out
+        assert out.startswith(f"note: --steps {steps}: {said}, nan below 2; --steps 4 or more")
+        assert out.count("\n") == 1
+    diagnostic.main(["--steps", "4"])
+    assert capsys.readouterr().out == ""
