@@ -1,6 +1,8 @@
 """Base vs final eval of one or more recast.py runs (seeds), as markdown tables: mean ± std and
 the worst run per reward, and every run's gaps closed; counts of runs that improve each reward;
-W's marginals and centroids; where the time goes.
+W's marginals and centroids; where the time goes. The runs are the seeds of one configuration:
+they may differ in --seed, --out and the flags --resume may change (harness.RESUMABLE), not in
+the method's (--lambda, --steps, --weighting…), else it exits 2 naming them.
 
 python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
 """
@@ -9,6 +11,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import fields
 
 import torch
 
@@ -59,9 +62,27 @@ def read_args(run: str) -> dict:
         return json.load(f)
 
 
+def other_method(first: dict, run: dict) -> list[str]:
+    """Where two runs' args.json differ on a flag that defines the method: every flag but those a
+    resumed run may change (harness.RESUMABLE: --out, --epochs, --device…) and --seed, each as
+    "FLAG first's → run's". A flag newer than a run takes its value before it existed
+    (harness.BEFORE) or its default, as on --resume."""
+    import harness  # not at the top: the studies that import this file's helpers need neither
+    import recast
+
+    default = {f.name: f.default for f in fields(recast.Args)} | harness.BEFORE
+    names = [*first, *(k for k in run if k not in first)]
+    differ = [k for k in names if k not in harness.RESUMABLE | {"seed"}
+              and first.get(k, default.get(k)) != run.get(k, default.get(k))]  # fmt: skip
+    flag = {"resolved_precision": "--precision (resolved)"}
+    return [f"{flag.get(k, cli.flag_of(k))} {first.get(k, default.get(k))!r} → "
+            f"{run.get(k, default.get(k))!r}" for k in differ]  # fmt: skip
+
+
 def check_runs(runs: list[str]) -> list[list[dict]]:
     """Each run's metrics.jsonl lines; a folder that is not a run, a run with no eval after
-    training yet, or one of other rewards or judges than the first run's, exits 2 naming it."""
+    training yet, or one of other rewards or judges, or another method (flags), than the first
+    run's, exits 2 naming it: the runs summarized are the seeds of one configuration."""
     if not runs:
         cli.fail("RUN", "give one or more run folders (recast.py's --out)", "summarize.py")
     lines = []
@@ -82,6 +103,13 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
             cli.fail("RUN", f"{run} is evaluated on {', '.join(names)} ({k} trained on, W's rows), "
                      f"{runs[0]} on {', '.join(setting[0][0])} ({setting[0][1]}): summarize runs "
                      "of one --rewards and --judges (its seeds)", "summarize.py")  # fmt: skip
+    first = read_args(runs[0])
+    for run in runs[1:]:
+        if differ := other_method(first, read_args(run)):
+            cli.fail("RUN", f"{run} is another configuration than {runs[0]}: "
+                     f"{', '.join(differ)} ({runs[0]}'s → its): summarize the seeds of one "
+                     "configuration (they may differ in --seed, --out and the flags --resume may "
+                     "change)", "summarize.py")  # fmt: skip
     return lines
 
 
@@ -90,8 +118,13 @@ def main(runs: list[str]) -> None:
     base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
     names = [k[5:] for k in base if k.startswith("eval/")]
     seeds = [read_args(run)["seed"] for run in runs]
-    print(f"{len(runs)} runs, final epoch {finals[0]['epoch']}; mean ± std over runs, and the "
-          "worst run (its --seed)\n")  # fmt: skip
+    ends = [m["epoch"] for m in finals]
+    if len(set(ends)) > 1:  # a run still training, or one given more --epochs on --resume
+        print(f"note: the runs' last evals are at epochs {', '.join(map(str, ends))} (in the "
+              "order given): each run's last is summarized")  # fmt: skip
+    epochs = f" {ends[0]}" if len(set(ends)) == 1 else f"s {min(ends)}–{max(ends)}"
+    print(f"{len(runs)} runs, final epoch{epochs}; mean ± std over runs, and the worst run (its "
+          "--seed)\n")  # fmt: skip
     print("| | base model | final | fraction of the gap to the ideal closed | worst | "
           "ideal rendering |\n|---|---|---|---|---|---|")  # fmt: skip
     for n in [*names, "weighted"]:

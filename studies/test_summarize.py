@@ -1,5 +1,6 @@
 """Tests of studies/summarize.py on made-up runs: the worst seed per row and the counts of
-runs in which each reward and judge ends above the base model."""
+runs in which each reward and judge ends above the base model; runs that are not the seeds of
+one configuration (other rewards, judges or method flags) exit 2 naming what differs."""
 
 import json
 import os
@@ -88,3 +89,59 @@ def test_runs_of_other_rewards_or_judges_exit_2_naming_the_run(tmp_path, capsys)
         out, err = capsys.readouterr()
         assert e.value.code == 2 and out == "" and err.count("\n") == 1
         assert err.startswith(f"summarize.py: error: RUN: {run} is evaluated {said}, {good} on ")
+
+
+def test_runs_of_another_method_exit_2_naming_the_flags(tmp_path, capsys):
+    """Runs of other --lambda, --steps, --weighting, --normalize… were averaged together as if
+    they were seeds of one configuration. Every flag but --seed and those --resume may change
+    (--out, --epochs…) must match the first run's; a flag an older run predates takes its value
+    before it existed (harness.BEFORE), as on --resume."""
+    final = {"position": 0.5, "background": 0.1, "iou": 0.2}
+    flags = {"rewards": "position,background", "lam": "0.4,0.6", "steps": 10,
+             "weighting": "recast", "normalize": "joint", "epochs": 20}  # fmt: skip
+
+    def run(name: str, seed: int, **changed) -> str:
+        path = fake_run(tmp_path / name, seed, final)
+        args = {**flags, "seed": seed, "out": path, **changed}
+        (tmp_path / name / "args.json").write_text(json.dumps(args))
+        return path
+
+    first = run("a", 0)
+    same = [run("b", 1, epochs=40, device="cuda"), run("c", 2, eval_every=5)]
+    summarize.main([first, *same])  # seeds, out, and flags --resume may change: one configuration
+    assert "3 runs, final epoch 1;" in capsys.readouterr().out
+    older = run("d", 3, normalize="per-reward")
+    args = json.loads((tmp_path / "d" / "args.json").read_text())
+    args.pop("normalize")  # a run before --normalize existed: per-reward, harness.BEFORE
+    (tmp_path / "d" / "args.json").write_text(json.dumps(args))
+    summarize.main([run("e", 4, normalize="per-reward"), older])
+    capsys.readouterr()
+    cases = {
+        run("f", 5, lam="0.5,0.5", steps=8): "--lambda '0.4,0.6' → '0.5,0.5', --steps 10 → 8",
+        run("g", 6, weighting="uniform"): "--weighting 'recast' → 'uniform'",
+        older: "--normalize 'joint' → 'per-reward'",
+        run("h", 7, gain_shift=1): "--gain-shift 0 → 1",  # absent in the first: BEFORE's 0
+    }
+    for other, said in cases.items():
+        with pytest.raises(SystemExit) as e:
+            summarize.main([first, same[0], other])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(
+            f"summarize.py: error: RUN: {other} is another configuration than "
+            f"{first}: {said} ({first}'s → its): summarize the seeds of one "
+        )
+
+
+def test_runs_whose_last_evals_are_at_other_epochs_get_a_note(tmp_path, capsys):
+    """A run still training (or resumed with more --epochs) ends at another epoch than the rest:
+    each run's last eval is summarized, and a note says at which epochs."""
+    final = {"position": 0.5, "background": 0.1, "iou": 0.2}
+    a, b = fake_run(tmp_path / "a", 0, final), fake_run(tmp_path / "b", 1, final)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["epoch"] = 3
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summarize.main([a, b])
+    out = capsys.readouterr().out
+    assert out.startswith("note: the runs' last evals are at epochs 1, 3 (in the order given)")
+    assert "\n2 runs, final epochs 1–3;" in out
