@@ -26,9 +26,10 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
+from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -153,10 +154,12 @@ def sweep(args) -> None:
     os.makedirs(args.out, exist_ok=True)
     runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
     outs = {name: os.path.join(args.out, name) for name in runs}
-    with ThreadPoolExecutor(2) as pool:
+    done = {o for o in outs.values() if os.path.exists(os.path.join(o, "summary.json"))}
+    bar = tqdm(total=len(runs), initial=len(done), unit="run", smoothing=0)  # on stderr
+    with ThreadPoolExecutor(2) as pool, bar:
         jobs = [pool.submit(run_one, outs[name], RECIPES[n], s) for name, (n, s) in runs.items()]
-        for f in jobs:
-            f.result()
+        for f in as_completed(jobs):
+            bar.update(f.result() not in done)  # a finished run was counted from the start
     names = list(runs)
     print(f"--weighting uniform --lambda {LAMBDA} --seed S (-sS) --eval-every 2")
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "

@@ -1,6 +1,10 @@
-"""studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made;
-a count below one (--threads 0) in recipe.py, anatomy.py and diagnostic.py exits 2, as do
-diagnostic.py's --group-size 1 and --steps 1; its --steps 2 and 3 print a note."""
+"""studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made,
+and its runs show on a bar on stderr (stdout's table unchanged); a count below one (--threads 0)
+in recipe.py, anatomy.py and diagnostic.py exits 2, as do diagnostic.py's --group-size 1 and
+--steps 1; its --steps 2 and 3 print a note."""
+
+import json
+import os
 
 import pytest
 
@@ -77,3 +81,27 @@ def test_diagnostic_with_too_few_steps_for_every_shift_says_so(monkeypatch, caps
         assert out.count("\n") == 1
     diagnostic.main(["--steps", "4"])
     assert capsys.readouterr().out == ""
+
+
+def test_sweep_shows_a_bar_of_runs_on_stderr_counting_finished_ones(tmp_path, monkeypatch, capsys):
+    """Hours of runs had no output until the table; now a bar of runs on stderr, a finished run
+    (summary.json) counted from the start, and the table on stdout as it was."""
+    names = list(recipe.RECIPES)[:2]
+
+    def fake_run(out, recipe_, seed):
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch": 0, "gap/weighted": 0.5, "gap/shape": 0.25,
+                                "time/rollout": 60.0}) + "\n")  # fmt: skip
+        open(os.path.join(out, "summary.json"), "w").close()
+        return out
+
+    out = tmp_path / "sweep"
+    fake_run(str(out / names[0]), None, 0)  # finished in an earlier sitting
+    monkeypatch.setattr(recipe, "run_one", fake_run)
+    recipe.sweep(recipe.argparse.Namespace(only=",".join(names), seeds="0", out=str(out)))
+    stdout, err = capsys.readouterr()
+    assert "1/2 [" in err and "2/2 [" in err  # the bar starts at the finished run
+    lines = stdout.splitlines()
+    assert lines[0].startswith("--weighting uniform") and lines[1].startswith("| recipe |")
+    assert [x.split(" | ")[:2] for x in lines[3:]] == [[f"| {n}", "0.500"] for n in names]
