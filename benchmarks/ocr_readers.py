@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import rewards
 from plumbing import cli
@@ -119,9 +120,13 @@ def cases(n: int, seed: int) -> list[tuple[str, str, str, torch.Tensor, torch.Te
     return out
 
 
-def timed_reads(reader, images: list[torch.Tensor]) -> tuple[list[str], list[float]]:
+def timed_reads(
+    reader, images: list[torch.Tensor], desc: str = ""
+) -> tuple[list[str], list[float]]:
+    """What `reader` reads in each image and the seconds each read took; a bar on stderr (a
+    read takes seconds on the CPU: the default table is minutes of them)."""
     reads, seconds = [], []
-    for im in images:
+    for im in tqdm(images, desc=desc, unit="image", leave=False):
         tic = time.perf_counter()
         reads.append(reader.read(im))
         seconds.append(time.perf_counter() - tic)
@@ -182,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     readers = {"EasyOCR": ocr_reader.load_reader(cpu), "PaddleOCR": paddle_reader.load_reader(cpu)}
     scored, medians = {}, {}
     for name, reader in readers.items():
-        better, t1 = timed_reads(reader, [r[3] for r in rows])
-        worse, t2 = timed_reads(reader, [r[4] for r in rows])
+        better, t1 = timed_reads(reader, [r[3] for r in rows], f"{name}, true texts")
+        worse, t2 = timed_reads(reader, [r[4] for r in rows], f"{name}, wrong texts")
         medians[name] = statistics.median(t1 + t2)
         truth = [r[1] for r in rows]
         scored[name] = tuple(

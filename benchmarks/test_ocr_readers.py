@@ -1,6 +1,6 @@
 """Tests of benchmarks/ocr_readers.py without its models: the cases are the same for a seed and
-garbled as their kinds say, the table's scores and ranks are the arithmetic the docs describe, and
-a bad --words exits 2 naming the flag."""
+garbled as their kinds say, the table's scores and ranks are the arithmetic the docs describe, the
+reads show a bar on stderr, and a bad --words exits 2 naming the flag."""
 
 import os
 
@@ -59,3 +59,18 @@ def test_bad_words_exit_2_naming_the_flag(capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1
         assert err.startswith(f"ocr_readers.py: error: {said}")
+
+
+def test_timed_reads_show_a_bar_on_stderr_and_print_nothing(capsys):
+    """Both readers read 160 images of seconds each for the default table with nothing shown;
+    now a bar on stderr, and stdout (the table) untouched."""
+
+    class Reader:
+        def read(self, image):
+            return f"TEXT{int(image.sum())}"
+
+    images = [torch.full((3, 4, 4), i, dtype=torch.uint8) for i in range(3)]
+    reads, seconds = ocr_readers.timed_reads(Reader(), images, "A, true texts")
+    out, err = capsys.readouterr()
+    assert reads == ["TEXT0", "TEXT48", "TEXT96"] and len(seconds) == 3 and min(seconds) >= 0
+    assert out == "" and "A, true texts:   0%" in err and "0/3" in err
