@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.exit(2, f"score_size.py: error: --sizes: a comma-separated list of sizes in [1, "
                 f"{TOY_PX}) px (the toy world's size), got {a.sizes!r}\n")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {s: scored(s, sizes, tmp) for s in range(a.seeds)}
+        seeds = tqdm(range(a.seeds), desc="seeds (rollout, scoring at each size)", leave=False)
+        runs = {s: scored(s, sizes, tmp) for s in seeds}  # minutes: a bar on stderr
     names = runs[0][0]
     full = {s: r[1][0] for s, r in runs.items()}
     floor = [float((full[x][0] - full[y][0]).abs().sum())

@@ -1,6 +1,8 @@
-"""studies/score_size.py: bad input exits 2 naming the flag, before any rollout."""
+"""studies/score_size.py: bad input exits 2 naming the flag, before any rollout; the seeds'
+rollouts show a bar on stderr and leave the table on stdout as it was."""
 
 import pytest
+import torch
 
 from studies import score_size
 
@@ -14,3 +16,18 @@ def test_bad_input_exits_2_naming_the_flag(argv, flag, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         score_size.main(argv)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_the_seeds_show_a_bar_on_stderr_and_the_table_is_unchanged(capsys, monkeypatch):
+    """About 10 minutes of rollouts printed nothing until the table; now a bar on stderr."""
+    W = {0: torch.zeros(2, 3), 8: torch.full((2, 3), 0.5)}
+
+    def fake(seed, sizes, tmp):
+        return ["a", "b"], {px: (W[px] + seed, torch.ones(2, 3)) for px in (0, *sizes)}
+
+    monkeypatch.setattr(score_size, "scored", fake)
+    score_size.main(["--seeds", "2", "--sizes", "8"])
+    out, err = capsys.readouterr()
+    assert "seeds (rollout, scoring at each size)" in err and "0/2" in err
+    assert "| 8 | 3.000, 3.000 | 3.000 | 3.000 | 1.500, 1.500 | 0.000 |" in out.splitlines()
+    assert out.splitlines()[-1].startswith("noise floor, Σ|W_full(seed a) − W_full(seed b)| over 1")
