@@ -67,11 +67,17 @@ class Steps:
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.start)
 
+    def record(self, name, status, seconds, command, text) -> None:
+        """A step's row of the report, and its line on stderr as it ends (the steps take
+        minutes; stdout holds the verdict alone)."""
+        self.rows.append((name, status, seconds, command, text))
+        print(f"gpu_check: {name}: {status} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
     def run(self, name, command, limit, env=None) -> tuple[bool, str]:
         log = self.out / f"{name}.log"
         limit = min(limit, self.left())
         if limit < STEP_S:
-            self.rows.append((name, "skipped: time budget spent", 0.0, command, ""))
+            self.record(name, "skipped: time budget spent", 0.0, command, "")
             return False, ""
         tic = time.monotonic()
         try:
@@ -88,7 +94,7 @@ class Steps:
             )
             ok, status = False, f"FAILED (over its {limit:.0f} s)"
         log.write_text(text)
-        self.rows.append((name, status, time.monotonic() - tic, command, text))
+        self.record(name, status, time.monotonic() - tic, command, text)
         return ok, text
 
 
@@ -264,7 +270,7 @@ def main(argv=None) -> int:
     cpu_text = (out / "toy_cpu.log").read_text()
     cpu_status = "passed" if cpu_run.returncode == 0 else f"FAILED (exit {cpu_run.returncode})"
     cpu_secs = time.monotonic() - cpu_tic
-    steps.rows.append(("toy run on CPU (background)", cpu_status, cpu_secs, cpu_command, cpu_text))
+    steps.record("toy run on CPU (background)", cpu_status, cpu_secs, cpu_command, cpu_text)
     bench = [py, "benchmarks/bench_kernels.py", "--json", str(out / "bench.json")]
     steps.run("benchmark", bench, 240)
     # 5. the toy run on CUDA, compared with the CPU run
@@ -273,9 +279,7 @@ def main(argv=None) -> int:
     if ran and cpu_run.returncode == 0:
         same, table = compare_toy_runs(cpu_dir, cuda_dir)
         extra["toy run: CUDA against CPU"] = table
-        steps.rows.append(
-            ("toy runs agree (CPU vs CUDA)", "passed" if same else "FAILED", 0.0, "", table)
-        )
+        steps.record("toy runs agree (CPU vs CUDA)", "passed" if same else "FAILED", 0.0, "", table)
     # 6. the tiny-SD3 end-to-end test on CUDA
     sd3 = [py, "-m", "pytest", "-q", "test_recast.py", "-k", "test_sd3_trains_one_epoch_end_to_end"]
     steps.run("tiny SD3 end to end on CUDA", sd3, 180, cuda_tests)

@@ -1,4 +1,7 @@
-"""benchmarks/gpu_check.py's flags, checked before the CUDA check: one line, exit 2."""
+"""benchmarks/gpu_check.py's flags, checked before the CUDA check: one line, exit 2; each step
+says on stderr how it ended, as it ends."""
+
+import sys
 
 import pytest
 
@@ -24,3 +27,19 @@ def test_a_budget_below_a_step_or_an_out_that_is_a_file_exits_2_naming_it(tmp_pa
         assert e.value.code == 2 and out == "" and err.count("\n") == 1
         assert err.startswith(f"gpu_check.py: error: {said}")
     assert file.read_text() == "kept" and sorted(tmp_path.iterdir()) == [file]
+
+
+def test_each_step_says_how_it_ended_on_stderr_as_it_ends(tmp_path, capsys):
+    """The check's minutes of steps showed nothing until the verdict; now a line a step on
+    stderr, stdout left to the verdict, and the report's rows as they were."""
+    steps = gpu_check.Steps(tmp_path, budget=60)
+    ok, text = steps.run("say", [sys.executable, "-c", "print('said')"], 30)
+    steps.budget = 0  # spent: the next step is skipped
+    skipped, _ = steps.run("late", [sys.executable, "-c", "pass"], 30)
+    out, err = capsys.readouterr()
+    assert ok and text == "said\n" and not skipped and out == ""
+    assert err.startswith("gpu_check: say: passed (")
+    assert err.splitlines()[1] == "gpu_check: late: skipped: time budget spent (0 s)"
+    rows = [("say", "passed"), ("late", "skipped: time budget spent")]
+    assert [r[:2] for r in steps.rows] == rows
+    assert (tmp_path / "say.log").read_text() == "said\n"
