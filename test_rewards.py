@@ -433,6 +433,23 @@ def test_reward_parity_without_its_environments_says_how_to_make_them(tmp_path, 
         assert err.count("\n") == 1
 
 
+def test_reward_parity_shows_its_rewards_on_a_bar_on_stderr(tmp_path, capsys, monkeypatch):
+    """The comparisons (up to minutes each: hpsv2's reference saves a 3.9 GB model) showed
+    nothing until the table; now a bar on stderr naming the reward, the table as it was."""
+    from benchmarks import reward_parity
+
+    names = ["pickscore", "ocr"]
+    for name in names:  # their venvs, as far as main looks
+        reward_parity.python(tmp_path, name).parent.mkdir(parents=True, exist_ok=True)
+        reward_parity.python(tmp_path, name).touch()
+    row = {"images": 6, "max_delta": 1e-6, "tolerance": 1e-4, "spread": 0.5, "seconds": 3.0}
+    monkeypatch.setattr(reward_parity, "compare", lambda name, envs, work: {"reward": name, **row})
+    assert reward_parity.main(["--envs", str(tmp_path), "--rewards", ",".join(names)]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[2:] == [f"| {n} | 6 | 1.00e-06 | 0.0001 | 0.500 | 3 |" for n in names]
+    assert "pickscore beside its reference" in err and "0/2" in err
+
+
 @pytest.mark.slow
 def test_rewards_score_as_their_released_code(tmp_path):
     """Each reward beside its reference, run as released in its own venv (reward_parity.py):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 from plumbing import cli  # noqa: E402
@@ -327,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
+        bar = tqdm(names, unit="reward", leave=False)  # stderr: a reference takes up to minutes
+        for name in bar:
+            bar.set_description(f"{name} beside its reference")
             rows.append(compare(name, args.envs, (args.keep or Path(tmp)) / name))
     print("| reward | images | max \\|Δ\\| | tolerance | score spread | seconds |")
     print("|---|---|---|---|---|---|")
