@@ -66,6 +66,14 @@ def unit_sum(x: torch.Tensor) -> torch.Tensor:
     return x / (s if s > 0 else x.abs().sum().clamp(min=1e-30))
 
 
+def write_whole(path: str, obj) -> None:
+    """obj as JSON, written beside `path` and renamed onto it: a stop or an error while writing
+    leaves the earlier file whole, never the end of minutes of work half-written in its place."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
 def diagnostic(args) -> None:
     torch.set_num_threads(args.threads)
     a = recast.Args()  # β, A_max, α: the training defaults
@@ -189,8 +197,7 @@ def diagnostic(args) -> None:
                base=base, plus=plus, minus=minus, effect=effect, own_effect=own, share=share,
                cross=cross, curvature=curv, spearman=rho, seconds=clock)  # fmt: skip
     out = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-    with open(os.path.join(args.out, "diagnostic.json"), "w") as f:
-        json.dump(out, f)
+    write_whole(os.path.join(args.out, "diagnostic.json"), out)
     fig, axes = plt.subplots(1, K, figsize=(3.6 * K, 3.2), sharey=True)
     for k, (n, ax) in enumerate(zip(names, axes, strict=True)):
         for row, label in ((own[k], "own effect"), (gains[k], "trajectory gains"),

@@ -1,7 +1,7 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made,
 and its runs show on a bar on stderr (stdout's table unchanged); a count below one (--threads 0)
 in recipe.py, anatomy.py and diagnostic.py exits 2, as do diagnostic.py's --group-size 1 and
---steps 1; its --steps 2 and 3 print a note."""
+--steps 1; its --steps 2 and 3 print a note; diagnostic.json is replaced whole or not at all."""
 
 import json
 import os
@@ -105,3 +105,18 @@ def test_sweep_shows_a_bar_of_runs_on_stderr_counting_finished_ones(tmp_path, mo
     lines = stdout.splitlines()
     assert lines[0].startswith("--weighting uniform") and lines[1].startswith("| recipe |")
     assert [x.split(" | ")[:2] for x in lines[3:]] == [[f"| {n}", "0.500"] for n in names]
+
+
+def test_diagnostic_json_is_replaced_whole_or_not_at_all(tmp_path):
+    """diagnostic.json was written in place at the end of minutes of work: an error part-way
+    through json.dump (or a stop) left a half file where the earlier good one had been."""
+    from studies import diagnostic
+
+    path = str(tmp_path / "diagnostic.json")
+    diagnostic.write_whole(path, {"effect": [1.0, 2.0]})
+    with pytest.raises(TypeError):  # json.dump has written "effect" before it fails
+        diagnostic.write_whole(path, {"effect": [3.0], "bad": object()})
+    assert json.loads(open(path).read()) == {"effect": [1.0, 2.0]}
+    diagnostic.write_whole(path, {"effect": [3.0]})
+    assert json.loads(open(path).read()) == {"effect": [3.0]}
+    assert sorted(os.listdir(tmp_path)) == ["diagnostic.json"]
