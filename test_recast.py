@@ -1694,6 +1694,17 @@ def recast_run(out, *flags, ranks: int = 1, env=None) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def refused(capsys, main, argv: list[str], said: str) -> str:
+    """main(argv), a script's main, must refuse its input as every command of the project does:
+    exit 2, nothing on stdout, one line on stderr beginning `said` ("PROG: error: FLAG: …")."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(said), err
+    return err
+
+
 def recast_exit(capsys, *flags) -> str:
     """recast.main(flags) in this process: it must exit with code 2; returns its stderr."""
     import recast

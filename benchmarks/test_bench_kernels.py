@@ -1,8 +1,7 @@
 """benchmarks/bench_kernels.py's --json, checked before the benchmark: one line, exit 2."""
 
-import pytest
-
 from benchmarks import bench_kernels
+from test_recast import refused
 
 
 def test_a_json_in_a_folder_that_does_not_exist_exits_2_before_the_benchmark(tmp_path, capsys):
@@ -12,9 +11,5 @@ def test_a_json_in_a_folder_that_does_not_exist_exits_2_before_the_benchmark(tmp
         "--no-such-flag": "usage: unrecognized arguments: --no-such-flag",
     }
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            bench_kernels.main(argv.split())
-        out, err = capsys.readouterr()
-        assert e.value.code == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith(f"bench_kernels.py: error: {said}")
+        refused(capsys, bench_kernels.main, argv.split(), f"bench_kernels.py: error: {said}")
     assert list(tmp_path.iterdir()) == []

@@ -3,9 +3,8 @@ says on stderr how it ended, as it ends."""
 
 import sys
 
-import pytest
-
 from benchmarks import gpu_check
+from test_recast import refused
 
 
 def test_a_budget_below_a_step_or_an_out_that_is_a_file_exits_2_naming_it(tmp_path, capsys):
@@ -21,11 +20,7 @@ def test_a_budget_below_a_step_or_an_out_that_is_a_file_exits_2_naming_it(tmp_pa
         "--budget x": "--budget: invalid float value",
     }
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            gpu_check.main(argv.split())
-        out, err = capsys.readouterr()
-        assert e.value.code == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith(f"gpu_check.py: error: {said}")
+        refused(capsys, gpu_check.main, argv.split(), f"gpu_check.py: error: {said}")
     assert file.read_text() == "kept" and sorted(tmp_path.iterdir()) == [file]
 
 

@@ -7,6 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import memtrace
+from test_recast import refused
 
 WIDTH, RANK, ROWS = 512, 16, 256
 
@@ -155,8 +156,4 @@ def test_the_decode_probe_rejects_a_shrink_the_zoo_does_not_know(tmp_path, capsy
         f"--convs {tmp_path}/no/c.json": f"--convs: {tmp_path}/no is not a folder",
     }
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            decode_memory.main(argv.split())
-        out, err = capsys.readouterr()
-        assert e.value.code == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith(f"decode_memory.py: error: {said}")
+        refused(capsys, decode_memory.main, argv.split(), f"decode_memory.py: error: {said}")

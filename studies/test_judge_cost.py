@@ -1,8 +1,7 @@
 """studies/judge_cost.py: the parameter counts docs/judge.md states, and the image tokens."""
 
-import pytest
-
 from studies import judge_cost
+from test_recast import refused
 
 
 def test_parameter_counts_of_the_models_that_fit():
@@ -29,8 +28,4 @@ def test_a_size_or_rate_out_of_range_exits_2_naming_it(capsys):
         "--size x": "--size: invalid int value",
     }
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            judge_cost.main(argv.split())
-        out, err = capsys.readouterr()
-        assert e.value.code == 2 and out == "" and err.count("\n") == 1
-        assert err.startswith(f"judge_cost.py: error: {said}")
+        refused(capsys, judge_cost.main, argv.split(), f"judge_cost.py: error: {said}")

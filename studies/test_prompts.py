@@ -9,6 +9,7 @@ import pytest
 
 import rewards
 from studies import prompts
+from test_recast import refused
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -101,11 +102,8 @@ def test_an_eval_size_that_leaves_nothing_to_train_on_exits_2_before_writing(tmp
              "--eval-per 400000": "--eval-per: must be below 80",
              "--ocr-eval 560": "--ocr-eval: must be below 560, the OCR set's texts"}  # fmt: skip
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            prompts.main([*argv.split(), "--out", str(tmp_path / "out")])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1
-        assert err.startswith(f"python -m studies.prompts: error: {said}")
+        refused(capsys, prompts.main, [*argv.split(), "--out", str(tmp_path / "out")],
+                f"python -m studies.prompts: error: {said}")  # fmt: skip
     assert not (tmp_path / "out").exists()
     sets = prompts.generate(train_per=1, eval_per=79, ocr_eval=559, ocr_per_text=1)
     trained = {r["category"] for r in sets["geneval"]["train"]}

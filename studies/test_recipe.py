@@ -9,6 +9,7 @@ import os
 import pytest
 
 from studies import recipe
+from test_recast import refused
 
 
 def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(tmp_path, capsys):
@@ -34,13 +35,10 @@ def test_a_count_below_one_exits_2_naming_the_flag(script, tmp_path, capsys):
     cases = [["--threads", "0"], ["--threads", "-2"], ["--threads", "x"]]
     if script == "diagnostic":
         cases += [["--prompts", "0"], ["--steps", "0"], ["--eval-seeds", "0"]]
+    prog = "recipe.py signal" if script == "recipe" else f"{script}.py"
     for argv in cases:
-        with pytest.raises(SystemExit) as e:
-            main(["signal", *argv] if script == "recipe" else [*argv, *out])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1
-        prog = "recipe.py signal" if script == "recipe" else f"{script}.py"
-        assert err.startswith(f"{prog}: error: {argv[0]}: takes a whole number ≥ 1, got ")
+        refused(capsys, main, ["signal", *argv] if script == "recipe" else [*argv, *out],
+                f"{prog}: error: {argv[0]}: takes a whole number ≥ 1, got ")  # fmt: skip
         assert not (tmp_path / "out").exists()
 
 
@@ -59,11 +57,8 @@ def test_diagnostic_without_a_group_to_compare_exits_2_naming_the_flag(tmp_path,
         "--delta nan": "--delta: must be > 0 and finite, got nan",
     }
     for argv, said in cases.items():
-        with pytest.raises(SystemExit) as e:
-            diagnostic.main([*argv.split(), "--out", str(tmp_path / "out")])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1
-        assert err.startswith(f"diagnostic.py: error: {said}")
+        refused(capsys, diagnostic.main, [*argv.split(), "--out", str(tmp_path / "out")],
+                f"diagnostic.py: error: {said}")  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 
