@@ -659,7 +659,8 @@ def nft_loss(
     v_ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> torch.Tensor:
-    """Weighted NFT loss of DESIGN §6 (fp32 scalar), differentiable w.r.t. v_theta only.
+    """Weighted NFT loss of DESIGN §6, differentiable w.r.t. v_theta only: an fp32 scalar from
+    the kernels, at v_theta's precision from reference_nft_loss (CPU without TRITON_INTERPRET).
 
     Runs the fused Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1),
     reference_nft_loss otherwise. No host-device sync on CUDA (see CHECK_VALUES). Meta tensors
