@@ -375,11 +375,6 @@ def component_flops(c: dict, resolutions) -> dict:
     return out
 
 
-# the precision each component's matmuls run in on CUDA (sd3world.py, rewards.py; torch defaults:
-# cudnn convolutions may use TF32, fp32 matmuls may not)
-PRECISION = {"transformer": "bf16", "text": "bf16", "vae": "tf32", "reward": "fp32"}
-
-
 def reward_flops(cf: dict) -> dict:
     """FLOPs per image of each paper1 reward: two ViT-H/14 (image + 77-token text), CLIPScore's
     ViT-L/14 (image + text), the aesthetic score (ViT-L/14 image + MLP)."""
