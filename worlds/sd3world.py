@@ -15,7 +15,7 @@ import sys
 import torch
 
 from worlds import diffusersworld
-from worlds.diffusersworld import SCORED_GROUPS, BadInput, scoring_defaults  # noqa: F401 (as before)
+from worlds.diffusersworld import BadInput, scoring_defaults  # noqa: F401 (read via sd3world)
 
 PIPELINE, NAME = "StableDiffusion3Pipeline", "SD3"
 # DiffusionNFT's and Flow-GRPO's LoRA targets for SD3: the joint attention's image (to_*) and
