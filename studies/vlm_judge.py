@@ -33,7 +33,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from rewards import VLM, VLM_IMAGE_TOKEN, to_pil  # noqa: F401 (to_pil: the judge's, as before)
+from rewards import VLM, VLM_IMAGE_TOKEN, to_pil
 
 QUESTION = (
     'Two images were generated for the prompt: "{prompt}". Which image follows the prompt more '
