@@ -72,7 +72,7 @@ class BadInput(ValueError):
 def check(args) -> None:
     """The flags every diffusers run needs (`args`: recast.py's flags), checked before anything
     is loaded; a BadInput naming the flag. (That its rewards are not the toy world's is
-    recast.check_rewards', which knows the rewards.)"""
+    harness.check_rewards', which knows the rewards.)"""
     if not args.prompts_file:
         raise BadInput(
             "--prompts-file", f"--model {args.model} needs training prompts, one per line"
