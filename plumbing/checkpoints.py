@@ -15,7 +15,6 @@ import errno
 import hashlib
 import io
 import json
-import math
 import os
 import shlex
 import shutil
@@ -227,9 +226,9 @@ def _excerpt(text: str) -> str:
     return repr(text if len(text) <= 40 else text[:40] + "…")
 
 
-def read_metrics(run_dir: str, upto_epoch: float = math.inf) -> list[dict]:
-    """metrics.jsonl lines with epoch <= upto_epoch, for the readers of a run (benchmarks/). A
-    torn last line (a crash while appending; --resume drops it) is skipped with a warning."""
+def read_metrics(run_dir: str) -> list[dict]:
+    """metrics.jsonl's lines, for the readers of a run (benchmarks/, studies/). A torn last line
+    (a crash while appending; --resume drops it) is skipped with a warning."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
@@ -239,7 +238,7 @@ def read_metrics(run_dir: str, upto_epoch: float = math.inf) -> list[dict]:
     elif torn is not None:
         print(f"warning: {path}: its torn last line {_excerpt(torn)} is skipped (a crash while "
               "appending it; --resume drops it)", file=sys.stderr)  # fmt: skip
-    return [m for m in lines if m["epoch"] <= upto_epoch]
+    return lines
 
 
 def resume_metrics(run_dir: str, ckpt_epoch: int | None, log=print) -> list[dict]:
