@@ -101,17 +101,14 @@ class VLM:
             f"{self.who}: {path!r} has no chat template (chat_template.json or .jinja)"
         )
 
-    def chat(self, content: list[dict], answer: str = "") -> str:
+    def chat(self, content: list[dict]) -> str:
         """One user turn (`content`: {"type": "image"} and {"type": "text", "text": ...} parts) in
-        the model's chat template, up to where its answer starts, plus `answer`."""
-        return (
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}],
-                chat_template=self.chat_template,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            + answer
+        the model's chat template, up to where its answer starts."""
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}],
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
         )
 
     def one_token(self, text: str) -> int:
