@@ -111,7 +111,7 @@ def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     torchtitan does): NCCL then sets up its communicator for that GPU at once, instead of at the
     first collective, and a barrier needs no guess of which GPU is this rank's. On nccl its
     diagnostics are on (nccl_environment), and rank 0 says what a lost rank will print and how to
-    resume. On the CPU (gloo) the group is made as before, without device_id."""
+    resume. On the CPU (gloo) the group is made without device_id."""
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:
