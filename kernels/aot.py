@@ -43,7 +43,7 @@ def specialised_source(fn, values: dict, constexprs: dict, aligned: bool = True)
     return ASTSource(fn, signature, constants, attrs)
 
 
-def launch_specs(nft, renyi, n, d, dtype, num_sms=132, n_rewards=4, n_steps=10, aligned=True):
+def launch_specs(nft, renyi, n, d, dtype, num_sms=132, n_rewards=4, n_steps=10):
     """{kernel name: (JITFunction, argument values, constexprs)} of nft_loss forward + backward
     on contiguous (n, d) inputs of `dtype` ("bf16", "fp16", "fp32") with v_ref and κ ≠ 0, and of
     renyi_gains on contiguous (K, T+1, 24·48) fp32 scores with G = 24, as the wrappers launch
