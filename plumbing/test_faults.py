@@ -242,6 +242,24 @@ def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monke
     assert (tmp_path / "metrics.jsonl").read_bytes() == before  # the part written is cut off
 
 
+@pytest.mark.parametrize("at_byte", [0, 5])
+def test_a_full_disk_while_writing_a_json_file_keeps_the_old_one_whole(
+    tmp_path, monkeypatch, at_byte
+):
+    path = str(tmp_path / "profile.json")
+    checkpoints.write_json_atomic(path, {"epoch": 1, "rows": [1, 2, 3]})
+    checkpoints.write_json_atomic(path, {"epoch": 2})  # a shorter one replaces it whole
+    assert json.loads((tmp_path / "profile.json").read_text()) == {"epoch": 2}
+    before = (tmp_path / "profile.json").read_bytes()
+    full_disk(monkeypatch, "profile.json.tmp", at_byte)
+    with pytest.raises(checkpoints.WriteFailed) as e:
+        checkpoints.write_json_atomic(path, {"epoch": 3, "rows": list(range(100))})
+    message = str(e.value)
+    assert f"could not write profile.json in {tmp_path}: the disk holding it is full" in message
+    assert (tmp_path / "profile.json").read_bytes() == before
+    assert os.listdir(tmp_path) == ["profile.json"]  # the half-written temporary file is removed
+
+
 @pytest.mark.parametrize("resume", THEN_RESUME)
 def test_a_full_disk_stops_the_run_with_exit_1_and_resume_is_exact(tmp_path, request, resume):
     """ENOSPC 4 kB into optim.pt of epoch 2's checkpoint: a one-line message, exit 1; then, the
