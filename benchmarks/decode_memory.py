@@ -26,7 +26,6 @@ The difference between the columns names what the tracer does not see.
 """
 
 import contextlib
-import json
 import os
 import sys
 
@@ -39,6 +38,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import memtrace, modelzoo  # noqa: E402
 from plumbing import cli  # noqa: E402
+from plumbing.checkpoints import write_whole  # noqa: E402
 from worlds import flux2world, fluxworld, qwenimageworld, sd3world  # noqa: E402
 
 GIB = 2**30
@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         if cuda:
             torch.cuda.empty_cache()
     if args.convs and cuda:
-        with open(args.convs, "w") as f:
-            json.dump(convs, f)
+        write_whole(args.convs, convs)
 
 
 if __name__ == "__main__":

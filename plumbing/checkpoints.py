@@ -6,7 +6,9 @@ of the two other files). It is written under a temporary name and renamed into p
 checkpoint folder either exists whole or not at all; `state.json` is written last and its hashes
 catch a file truncated or corrupted later. The newest two are kept: if the newest does not verify,
 the one before it is used. A write that fails (a full disk) removes the temporary folder and stops
-the run with WriteFailed; the checkpoints before it are untouched.
+the run with WriteFailed; the checkpoints before it are untouched. write_whole replaces a
+script's JSON result whole the same way (studies/diagnostic.py, studies/anatomy.py,
+benchmarks/decode_memory.py --convs).
 
 What each fault does and which test injects it: docs/failure_modes.md.
 """
@@ -122,6 +124,17 @@ def write_json_atomic(path: str, obj) -> None:
     except OSError as e:
         _remove(tmp)
         raise write_failed(e, os.path.basename(path), os.path.dirname(path) or ".") from e
+
+
+def write_whole(path: str, obj) -> None:
+    """`obj` as compact JSON, written beside `path` and renamed onto it: a stop or an error while
+    writing leaves the earlier file whole, never the end of minutes of work half-written in its
+    place. For the scripts' result files (studies/, benchmarks/): unlike write_json_atomic it
+    belongs to no run, so an error is raised as it came (OSError, or TypeError for what JSON
+    cannot hold), without recast.py's --resume advice, and nothing is fsynced."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
 
 
 def save(

@@ -19,7 +19,6 @@ It calls the functions recast.py trains with, on the first epoch of the default 
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -34,6 +33,7 @@ sys.path.insert(0, ROOT)
 import harness  # noqa: E402
 import recast  # noqa: E402
 from plumbing import cli  # noqa: E402
+from plumbing.checkpoints import write_whole  # noqa: E402
 from plumbing.plots import grid, timestep_centroid  # noqa: E402
 from recast import gain_profiles, group_optimality, recast_weights  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
@@ -172,8 +172,7 @@ def anatomy(args) -> None:
                   settled_mean=settled.mean(1).tolist(),
                   settled_group=settled[:, g].tolist(), r=r[:, members].tolist(),
                   mix={w: m.tolist() for w, m in mix.items()})  # fmt: skip
-    with open(os.path.join(args.out, "anatomy.json"), "w") as f:
-        json.dump(report, f)
+    write_whole(os.path.join(args.out, "anatomy.json"), report)
     print(f"group {g}: “{my_prompts[g]}”")
     for k, n in enumerate(names):
         print(f"{n:<11} ranking settled at step {settled[k].mean():.1f} (mean over {groups} "

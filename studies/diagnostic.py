@@ -34,7 +34,6 @@ runs.
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -54,6 +53,7 @@ import harness  # noqa: E402
 import recast  # noqa: E402
 import rewards  # noqa: E402
 from plumbing import cli  # noqa: E402
+from plumbing.checkpoints import write_whole  # noqa: E402
 from recast import group_optimality  # noqa: E402
 from recast_kernels.nft_loss import reference_nft_loss  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
@@ -64,14 +64,6 @@ def unit_sum(x: torch.Tensor) -> torch.Tensor:
     """x / Σx (x / Σ|x| when Σx ≤ 0), for drawing profiles on one scale."""
     s = x.sum()
     return x / (s if s > 0 else x.abs().sum().clamp(min=1e-30))
-
-
-def write_whole(path: str, obj) -> None:
-    """obj as JSON, written beside `path` and renamed onto it: a stop or an error while writing
-    leaves the earlier file whole, never the end of minutes of work half-written in its place."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
 
 
 def diagnostic(args) -> None:

@@ -100,18 +100,3 @@ def test_sweep_shows_a_bar_of_runs_on_stderr_counting_finished_ones(tmp_path, mo
     lines = stdout.splitlines()
     assert lines[0].startswith("--weighting uniform") and lines[1].startswith("| recipe |")
     assert [x.split(" | ")[:2] for x in lines[3:]] == [[f"| {n}", "0.500"] for n in names]
-
-
-def test_diagnostic_json_is_replaced_whole_or_not_at_all(tmp_path):
-    """diagnostic.json was written in place at the end of minutes of work: an error part-way
-    through json.dump (or a stop) left a half file where the earlier good one had been."""
-    from studies import diagnostic
-
-    path = str(tmp_path / "diagnostic.json")
-    diagnostic.write_whole(path, {"effect": [1.0, 2.0]})
-    with pytest.raises(TypeError):  # json.dump has written "effect" before it fails
-        diagnostic.write_whole(path, {"effect": [3.0], "bad": object()})
-    assert json.loads(open(path).read()) == {"effect": [1.0, 2.0]}
-    diagnostic.write_whole(path, {"effect": [3.0]})
-    assert json.loads(open(path).read()) == {"effect": [3.0]}
-    assert sorted(os.listdir(tmp_path)) == ["diagnostic.json"]
