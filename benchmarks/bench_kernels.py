@@ -39,10 +39,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from plumbing import cli  # noqa: E402
-from recast_kernels import nft_loss as nft_module  # noqa: E402
-from recast_kernels import renyi as renyi_module  # noqa: E402
-from recast_kernels.aot import launch_specs, specialised_source  # noqa: E402
+from plumbing import cli
+from recast_kernels import nft_loss as nft_module
+from recast_kernels import renyi as renyi_module
+from recast_kernels.aot import launch_specs, specialised_source
 
 QUANTILES = [0.5, 0.2, 0.8]
 SIZES = [  # (label, N, per-image shape, dtype)

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-from plumbing import cli  # noqa: E402
+from plumbing import cli
 
 HERE = Path(__file__).resolve().parent / "parity_envs"
 DEFAULT_ENVS = Path(os.environ.get("RECAST_PARITY_ENVS", "~/.cache/recast/parity_envs"))

@@ -3,8 +3,8 @@
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
 
 def timestep_centroid(weights: torch.Tensor) -> torch.Tensor:

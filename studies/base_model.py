@@ -24,18 +24,18 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import harness  # noqa: E402
-import recast  # noqa: E402
-import rewards  # noqa: E402
-from plumbing import cli, plots  # noqa: E402
-from recast import gain_profiles  # noqa: E402
-from recast_kernels.renyi import renyi_gains  # noqa: E402
-from worlds import toyworld as tw  # noqa: E402
+import harness
+import recast
+import rewards
+from plumbing import cli, plots
+from recast import gain_profiles
+from recast_kernels.renyi import renyi_gains
+from worlds import toyworld as tw
 
 
 def symmetry(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

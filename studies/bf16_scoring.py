@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import recast  # noqa: E402
+import recast
 
 LAM = "0.4,0.2,0.2,0.2"
 

@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing import cli  # noqa: E402
+from plumbing import cli
 
 SIZES = (56, 3584)  # px a side that Qwen2-VL's image processor keeps within its pixel bounds
 TEXT_TOKENS = 90  # chat format (~20), QUESTION (~40) and a prompt of ~30 tokens

@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import harness  # noqa: E402
-import recast  # noqa: E402
-from recast_kernels.renyi import renyi_gains  # noqa: E402
+import harness
+import recast
+from recast_kernels.renyi import renyi_gains
 
 LAM = "0.4,0.2,0.2,0.2"
 TOY_PX = 32  # worlds/toyworld.py's SIZE

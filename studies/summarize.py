@@ -16,9 +16,9 @@ from dataclasses import fields
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from plumbing import cli  # noqa: E402
-from plumbing.checkpoints import read_metrics  # noqa: E402
-from plumbing.plots import timestep_centroid  # noqa: E402
+from plumbing import cli
+from plumbing.checkpoints import read_metrics
+from plumbing.plots import timestep_centroid
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
