@@ -131,10 +131,16 @@ def write_whole(path: str, obj) -> None:
     writing leaves the earlier file whole, never the end of minutes of work half-written in its
     place. For the scripts' result files (studies/, benchmarks/): unlike write_json_atomic it
     belongs to no run, so an error is raised as it came (OSError, or TypeError for what JSON
-    cannot hold), without recast.py's --resume advice, and nothing is fsynced."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
+    cannot hold), without recast.py's --resume advice, and nothing is fsynced; the part written
+    is removed."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def save(

@@ -263,12 +263,13 @@ def test_a_full_disk_while_writing_a_json_file_keeps_the_old_one_whole(
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
     """The scripts' result files (diagnostic.json, anatomy.json, decode_memory.py's --convs) come
     at the end of minutes of work: an error part-way through json.dump (or a stop) must leave
-    the earlier good file, not a half one in its place."""
+    the earlier good file, not a half one in its place, and no part-written file beside it."""
     path = str(tmp_path / "diagnostic.json")
     checkpoints.write_whole(path, {"effect": [1.0, 2.0]})
     with pytest.raises(TypeError):  # json.dump has written "effect" before it fails
         checkpoints.write_whole(path, {"effect": [3.0], "bad": object()})
     assert json.loads(open(path).read()) == {"effect": [1.0, 2.0]}
+    assert sorted(os.listdir(tmp_path)) == ["diagnostic.json"]  # the part written is removed
     checkpoints.write_whole(path, {"effect": [3.0]})
     assert json.loads(open(path).read()) == {"effect": [3.0]}
     assert sorted(os.listdir(tmp_path)) == ["diagnostic.json"]
