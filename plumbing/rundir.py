@@ -315,8 +315,9 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
     except OSError as e:  # a picture or log that a full disk refused
         if e.errno not in DISK_FULL:
             raise
-        folder = os.path.dirname(e.filename or "") or "."
-        what = os.path.basename(e.filename or "a file")
+        run = next(iter(_locks), ".")  # this process's run folder, where the write was
+        folder = os.path.dirname(e.filename) if e.filename else run  # a write to an open file
+        what = os.path.basename(e.filename) if e.filename else "a file"  # names none
         print(f"recast.py: stopped: {write_failed(e, what, folder)}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as e:  # under torchrun: a rank or node lost before the run saved anything

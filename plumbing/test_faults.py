@@ -231,6 +231,28 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0001", "epoch_0003"]
 
 
+def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """An OSError of a full disk raised by a write to an open file names no file (a third-party
+    writer's): the one line still names this run's folder, its newest checkpoint and the resume
+    command of that folder, not '.'."""
+    monkeypatch.setattr(rundir, "_locks", {})
+    (tmp_path / "ckpt").mkdir()
+
+    def main():
+        rundir.lock_run(str(tmp_path))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(SystemExit) as e:
+        rundir.run_main(main, ())
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert err.startswith(f"recast.py: stopped: could not write a file in {tmp_path}: the disk ")
+    assert f"continue: python recast.py --out {tmp_path} --resume" in err
+    os.close(rundir._locks.pop(str(tmp_path)))
+
+
 def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monkeypatch):
     run = str(tmp_path)
     checkpoints.append_metrics(run, {"epoch": 0, "eval/color": 0.5})
