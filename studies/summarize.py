@@ -66,13 +66,19 @@ def other_method(first: dict, run: dict) -> list[str]:
     """Where two runs' args.json differ on a flag that defines the method: every flag but those a
     resumed run may change (harness.RESUMABLE: --out, --epochs, --device…) and --seed, each as
     "FLAG first's → run's". A flag newer than a run takes its value before it existed
-    (harness.BEFORE) or its default, as on --resume."""
+    (harness.BEFORE) or its default, as on --resume; a run older than resolved_precision is said
+    to have computed in its explicit --precision, and in an unknown one for auto, which matches
+    any (harness.check_resumed_precision)."""
     import harness  # not at the top: the studies that import this file's helpers need neither
     import recast
 
     default = {f.name: f.default for f in fields(recast.Args)} | harness.BEFORE
+    first, run = ({**a, "resolved_precision": a.get("resolved_precision", a.get("precision",
+                   "auto"))} for a in (first, run))  # fmt: skip
+    was = (first["resolved_precision"], run["resolved_precision"])
+    unknown = {"resolved_precision"} if "auto" in was else set()
     names = [*first, *(k for k in run if k not in first)]
-    differ = [k for k in names if k not in harness.RESUMABLE | {"seed"}
+    differ = [k for k in names if k not in harness.RESUMABLE | {"seed"} | unknown
               and first.get(k, default.get(k)) != run.get(k, default.get(k))]  # fmt: skip
     flag = {"resolved_precision": "--precision (resolved)"}
     return [f"{flag.get(k, cli.flag_of(k))} {first.get(k, default.get(k))!r} → "

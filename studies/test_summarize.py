@@ -115,6 +115,9 @@ def test_runs_of_another_method_exit_2_naming_the_flags(tmp_path, capsys):
     args.pop("normalize")  # a run before --normalize existed: per-reward, harness.BEFORE
     (tmp_path / "d" / "args.json").write_text(json.dumps(args))
     summarize.main([run("e", 4, normalize="per-reward"), older])
+    bf16 = run("i", 8, precision="auto", resolved_precision="bf16")
+    summarize.main([bf16, run("j", 9, precision="auto")])  # older than resolved_precision: auto
+    summarize.main([bf16, run("k", 10, precision="bf16")])  # ... or its explicit --precision
     capsys.readouterr()
     cases = {
         run("f", 5, lam="0.5,0.5", steps=8): "--lambda '0.4,0.6' → '0.5,0.5', --steps 10 → 8",
@@ -131,6 +134,9 @@ def test_runs_of_another_method_exit_2_naming_the_flags(tmp_path, capsys):
             f"summarize.py: error: RUN: {other} is another configuration than "
             f"{first}: {said} ({first}'s → its): summarize the seeds of one "
         )
+    with pytest.raises(SystemExit):  # an older run's explicit --precision, against bf16
+        summarize.main([bf16, run("l", 11, precision="fp32")])
+    assert ": --precision (resolved) 'bf16' → 'fp32' (" in capsys.readouterr().err
 
 
 def test_runs_whose_last_evals_are_at_other_epochs_get_a_note(tmp_path, capsys):
