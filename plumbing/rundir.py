@@ -315,7 +315,7 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
     except OSError as e:  # a picture or log that a full disk refused
         if e.errno not in DISK_FULL:
             raise
-        run = next(iter(_locks), ".")  # this process's run folder, where the write was
+        run = next(reversed(_locks), ".")  # this process's newest run folder, where it was
         folder = os.path.dirname(e.filename) if e.filename else run  # a write to an open file
         what = os.path.basename(e.filename) if e.filename else "a file"  # names none
         print(f"recast.py: stopped: {write_failed(e, what, folder)}", file=sys.stderr)

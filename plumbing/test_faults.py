@@ -235,10 +235,12 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     tmp_path, monkeypatch, capsys
 ):
     """An OSError of a full disk raised by a write to an open file names no file (a third-party
-    writer's): the one line still names this run's folder, its newest checkpoint and the resume
-    command of that folder, not '.'."""
+    writer's): the one line still names this run's folder (the newest locked in the process),
+    its newest checkpoint and the resume command of that folder, not '.'."""
     monkeypatch.setattr(rundir, "_locks", {})
     (tmp_path / "ckpt").mkdir()
+    (tmp_path / "earlier").mkdir()
+    rundir.lock_run(str(tmp_path / "earlier"))  # a run before it in this process (tests do)
 
     def main():
         rundir.lock_run(str(tmp_path))
@@ -251,6 +253,7 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     assert err.startswith(f"recast.py: stopped: could not write a file in {tmp_path}: the disk ")
     assert f"continue: python recast.py --out {tmp_path} --resume" in err
     os.close(rundir._locks.pop(str(tmp_path)))
+    os.close(rundir._locks.pop(str(tmp_path / "earlier")))
 
 
 def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monkeypatch):
