@@ -316,8 +316,10 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
         if e.errno not in DISK_FULL:
             raise
         run = next(reversed(_locks), ".")  # this process's newest run folder, where it was
-        folder = os.path.dirname(e.filename) if e.filename else run  # a write to an open file
-        what = os.path.basename(e.filename) if e.filename else "a file"  # names none
+        # a write to an open file names none; a bare name (relative to the working folder) no
+        # folder: both are said in the run's, whose --resume command is the one to give
+        folder = os.path.dirname(e.filename or "") or run
+        what = os.path.basename(e.filename) if e.filename else "a file"
         print(f"recast.py: stopped: {write_failed(e, what, folder)}", file=sys.stderr)
         sys.exit(1)
     except RuntimeError as e:  # under torchrun: a rank or node lost before the run saved anything

@@ -252,6 +252,15 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     assert e.value.code == 1 and err.count("\n") == 1
     assert err.startswith(f"recast.py: stopped: could not write a file in {tmp_path}: the disk ")
     assert f"continue: python recast.py --out {tmp_path} --resume" in err
+
+    def bare():  # a file named without its folder: not 'in ' and '--out '' --resume'
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "log.txt")
+
+    with pytest.raises(SystemExit):
+        rundir.run_main(bare, ())
+    err = capsys.readouterr().err
+    assert err.startswith(f"recast.py: stopped: could not write log.txt in {tmp_path}: the disk ")
+    assert f"continue: python recast.py --out {tmp_path} --resume" in err
     os.close(rundir._locks.pop(str(tmp_path)))
     os.close(rundir._locks.pop(str(tmp_path / "earlier")))
 
