@@ -142,7 +142,7 @@ def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
     if bad := [n for n in only.split(",") if only and n not in RECIPES]:
         cli.fail("--only", f"no recipe {', '.join(bad)}; the recipes: {', '.join(RECIPES)}",
                  "recipe.py")  # fmt: skip
-    if not re.fullmatch(r"\d+(,\d+)*", seeds):
+    if not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", seeds):  # "0,1" or "0, 1"
         cli.fail("--seeds", f"takes seeds ≥ 0 separated by commas, e.g. 0,1,2; got {seeds!r}",
                  "recipe.py")  # fmt: skip
     recipes = [n for n in RECIPES if not only or n in only.split(",")]

@@ -22,6 +22,7 @@ def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(t
         assert e.value.code == 2 and err.startswith(f"recipe.py: error: {flag}: ")
         assert err.count("\n") == 1 and not out.exists()
     assert recipe.sweep_plan("", "0,3") == (list(recipe.RECIPES), [0, 3])
+    assert recipe.sweep_plan("", "0, 3") == (list(recipe.RECIPES), [0, 3])  # as it always took
 
 
 @pytest.mark.parametrize("script", ["recipe", "anatomy", "diagnostic"])
