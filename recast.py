@@ -87,8 +87,11 @@ class Args:
     gain_every: int = 1
     """epochs between gain updates; step predictions are only scored then"""
     gain_frac: float = 1.0
-    """fraction of prompt groups whose step predictions are scored for the gains (docs/results.md)
-    default: 1.0; min(1, 4/--prompts) with a diffusers --model (4 groups an epoch, docs/sd35.md)"""
+    """fraction of the epoch's --prompts groups whose step predictions are scored for the gains,
+    all ranks together and at least one: round(F·--prompts) groups, the same ones on any number of
+    GPUs, so W does not depend on the GPU count (docs/results.md, docs/models.md)
+    default: 1.0; min(1, 4/--prompts) with a diffusers --model (4 groups an epoch, docs/sd35.md),
+    except under --profile (every group)"""
     score_precision: Literal["fp32", "bf16"] = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
     bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32
