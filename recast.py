@@ -166,7 +166,9 @@ class Args:
     out: str = ""
     """run folder (default: runs/<time>-<weighting>-s<seed>)"""
     resume: bool = False
-    """continue the run in --out from its last good checkpoint"""
+    """continue the run in --out from its last good checkpoint; the flags not given are the run's
+    (its args.json), and only --device, --epochs, --eval-every, --ckpt-every, --log, --profile and
+    --precision (resolving to the run's precision) may differ from them"""
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda if available)"""
     eval_every: int = 5
