@@ -164,7 +164,8 @@ class Args:
     seed: int = 0
     """seed of prompts, noise and shuffles (eval noise is fixed whatever the seed)"""
     out: str = ""
-    """run folder (default: runs/<time>-<weighting>-s<seed>)"""
+    """run folder (default: runs/<time>-<weighting>-s<seed>, runs/<time>-profile-s<seed> with
+    --profile)"""
     resume: bool = False
     """continue the run in --out from its last good checkpoint; the flags not given are the run's
     (its args.json), and only --device, --epochs, --eval-every, --ckpt-every, --log, --profile and
