@@ -123,7 +123,8 @@ class Args:
     lr: float = 5e-5
     """AdamW learning rate"""
     batch_size: int = 64
-    """(image, timestep) pairs per forward/backward (micro-batch), all ranks together"""
+    """(image, timestep) pairs per forward/backward (micro-batch), all ranks together; also the
+    images each rank samples per batch in the rollout and at eval"""
     grad_accum: int = 1
     """micro-batches whose gradients are summed into one optimizer step"""
     train_frac: float = 0.5
