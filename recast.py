@@ -126,7 +126,7 @@ class Args:
     """(image, timestep) pairs per forward/backward (micro-batch), all ranks together; also the
     images each rank samples per batch in the rollout and at eval"""
     grad_accum: int = 1
-    """micro-batches whose gradients are summed into one optimizer step"""
+    """micro-batches per optimizer step, whose gradient is the mean over all their pairs"""
     train_frac: float = 0.5
     """fraction of the epoch's (image, timestep) pairs trained on, drawn at random each epoch"""
     kl_coef: float = 1.0
