@@ -133,7 +133,9 @@ class Args:
     """weight κ of mean((v_θ - v_ref)²), a KL to the frozen base model (docs/recipe.md;
     DiffusionNFT's SD3.5 LoRA setting is 1e-4)"""
     adv_clip_max: float = 5.0
-    """advantage clip A_max of the optimality map r = 1/2 + A/(2 A_max)"""
+    """A_max of the optimality map r = 1/2 + A/(2 A_max): A is clipped to ±A_max under
+    per-reward, --weighting sum and in the gains' r; under joint, batch and unit-joint it is not,
+    and the loss clamps each pair's mix r̄ to [0, 1] instead (DESIGN §3)"""
     grad_clip: float = 1.0
     """gradient-norm clip"""
     decay_rate: float = 0.001
