@@ -146,7 +146,8 @@ class Args:
     resolution: int = 512
     """image side in pixels"""
     lora_rank: int = 32
-    """LoRA rank r of the adapters on the attention projections"""
+    """LoRA rank r of the adapters on the family's LORA_TARGETS: the attention projections, and
+    in FLUX.1, FLUX.2-klein and Qwen-Image the feed-forward layers too (docs/models.md)"""
     lora_alpha: int = 64
     """LoRA alpha"""
     grad_checkpointing: bool = False
