@@ -45,14 +45,17 @@ class Args:
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
     rewards: str = "position,color,sharpness,background"
-    """comma-separated reward names or presets (paper1) from rewards.py (default: the toy four)"""
+    """comma-separated reward names or presets from rewards.py (PRESETS: paper1, paper2, toy2 …
+    toy6; default: the toy four)"""
     model: str = "toy"
     """'toy' (the tiny model shipped in worlds/toy_model/) or a diffusers pipeline's folder or hub
     id (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
     prompts_file: str = ""
-    """training prompts, one per line (needed with --model other than toy)"""
+    """training prompts, one per line (needed with a diffusers --model; the toy world, with a toy
+    model folder too, has its own prompts and reads neither prompts file)"""
     eval_prompts_file: str = ""
-    """held-out prompts, one per line (default for --model: the last 10%% of --prompts-file)"""
+    """held-out prompts, one per line, for a diffusers --model (default: the last 10%% of
+    --prompts-file, which then trains on the rest)"""
     judges: str = ""
     """held-out judges: reward names scored at eval, never trained on (default: the world's own,
     shape,iou in the toy world, none for a diffusers model)"""
