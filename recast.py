@@ -48,8 +48,9 @@ class Args:
     """comma-separated reward names or presets from rewards.py (PRESETS: paper1, paper2, toy2 …
     toy6; default: the toy four)"""
     model: str = "toy"
-    """'toy' (the tiny model shipped in worlds/toy_model/) or a diffusers pipeline's folder or hub
-    id (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
+    """'toy' (the tiny model shipped in worlds/toy_model/), a folder holding another toy-world
+    transformer (config.json, no model_index.json), or a diffusers pipeline's folder or hub id
+    (SD3/SD3.5, FLUX.1, FLUX.2-klein, Qwen-Image: docs/models.md)"""
     prompts_file: str = ""
     """training prompts, one per line (needed with a diffusers --model; the toy world, with a toy
     model folder too, has its own prompts and reads neither prompts file)"""
