@@ -148,14 +148,16 @@ class Args:
     """cap of the old-policy decay d"""
     # --- diffusers models only ---
     resolution: int = 512
-    """image side in pixels"""
+    """image side in pixels, a multiple of the family's latent patch (VAE × patch side); the toy
+    world's images are its own 32 px whatever this says"""
     lora_rank: int = 32
-    """LoRA rank r of the adapters on the family's LORA_TARGETS: the attention projections, and
+    """a diffusers --model's LoRA rank r (the toy world trains its whole model) of the adapters on
+    the family's LORA_TARGETS: the attention projections, and
     in FLUX.1, FLUX.2-klein and Qwen-Image the feed-forward layers too (docs/models.md)"""
     lora_alpha: int = 64
-    """LoRA alpha"""
+    """a diffusers --model's LoRA alpha (the adapters' scale is alpha / rank)"""
     grad_checkpointing: bool = False
-    """trade compute for memory in the transformer"""
+    """trade compute for memory in a diffusers --model's transformer (gradient checkpointing)"""
     shard: bool = False
     """under torchrun: shard the transformer (base weights and adapters) and the text encoders
     across the ranks, layer by layer (FSDP2), instead of a whole copy on every GPU (DDP); for the
