@@ -151,9 +151,9 @@ class Args:
     """image side in pixels, a multiple of the family's latent patch (VAE × patch side); the toy
     world's images are its own 32 px whatever this says"""
     lora_rank: int = 32
-    """a diffusers --model's LoRA rank r (the toy world trains its whole model) of the adapters on
-    the family's LORA_TARGETS: the attention projections, and
-    in FLUX.1, FLUX.2-klein and Qwen-Image the feed-forward layers too (docs/models.md)"""
+    """LoRA rank r of a diffusers --model's adapters, on the family's LORA_TARGETS: the attention
+    projections, and in FLUX.1, FLUX.2-klein and Qwen-Image the feed-forward layers too
+    (docs/models.md); the toy world trains its whole model"""
     lora_alpha: int = 64
     """a diffusers --model's LoRA alpha (the adapters' scale is alpha / rank)"""
     grad_checkpointing: bool = False
