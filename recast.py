@@ -172,7 +172,8 @@ class Args:
     model card's value); 0: the family has none"""
     # --- run ---
     seed: int = 0
-    """seed of prompts, noise and shuffles (eval noise is fixed whatever the seed)"""
+    """seed of prompts, noise and shuffles, and of a diffusers --model's initial LoRA adapters (eval
+    noise is fixed whatever the seed)"""
     out: str = ""
     """run folder (default: runs/<time>-<weighting>-s<seed>, runs/<time>-profile-s<seed> with
     --profile)"""
@@ -181,7 +182,8 @@ class Args:
     (its args.json), and only --device, --epochs, --eval-every, --ckpt-every, --log, --profile and
     --precision (resolving to the run's precision) may differ from them"""
     device: str = "auto"
-    """cpu, cuda, cuda:N, or auto (cuda if available)"""
+    """cpu, cuda, cuda:N, or auto (cuda if available); under torchrun each rank on CUDA takes its
+    LOCAL_RANK's GPU, whatever N"""
     eval_every: int = 5
     """epochs between evals (and always the base model before epoch 1, and the last epoch)"""
     eval_seeds: int = 4
