@@ -185,11 +185,13 @@ class Args:
     """cpu, cuda, cuda:N, or auto (cuda if available); under torchrun each rank on CUDA takes its
     LOCAL_RANK's GPU, whatever N"""
     eval_every: int = 5
-    """epochs between evals (and always the base model before epoch 1, and the last epoch)"""
+    """epochs between evals (and always the base model before epoch 1, the last epoch, and the
+    epoch after which SIGINT or SIGTERM stops the run)"""
     eval_seeds: int = 4
     """images per held-out prompt at eval"""
     ckpt_every: int = 1
-    """epochs between checkpoints (and always the last)"""
+    """epochs between checkpoints (and always the last, and the epoch after which SIGINT or SIGTERM
+    stops the run)"""
     log: str = "none"
     """none | tensorboard | wandb, or several separated by commas (tensorboard,wandb): also log
     every epoch's numbers and pictures to OUT/tensorboard (pip install tensorboard) or to a wandb
