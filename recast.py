@@ -202,8 +202,13 @@ class Args:
     written to --out (profile.png, profile.json); see docs/anatomy.md"""
 
 
-# --help answers here, before torch and the models' libraries load (a blink, not seconds)
+# --help answers here, before torch and the models' libraries load (a blink, not seconds);
+# with --export, the export's flags (plumbing/export.py), not a run's
 if __name__ == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+    if cli.given(None, ["export"]):
+        from plumbing import export
+
+        export.parse(sys.argv[1:])
     cli.parse(Args, sys.argv[1:], __doc__)
 
 import math

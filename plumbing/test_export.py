@@ -4,6 +4,8 @@ is worlds/test_families.py's test_export_loads_in_diffusers_and_draws_the_runs_i
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,3 +107,13 @@ def test_export_bad_input_exits_2_naming_the_run_and_writes_nothing(tmp_path, ca
     assert os.listdir(to) == ["notes.txt"]
     export.main(["--export", run, "--to", str(to), "--overwrite"])
     assert sorted(os.listdir(to)) == sorted(["notes.txt", export.WEIGHTS, export.INFO])
+
+
+def test_export_help_is_the_exports():
+    """`recast.py --export RUN --help` prints the export's flags (--export, --to, --overwrite),
+    not a training run's."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "recast.py", "--export", "RUN", "--help"], cwd=root,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert "--overwrite" in done.stdout and "--to DIR" in done.stdout, done.stdout
+    assert "--lambda" not in done.stdout, done.stdout
