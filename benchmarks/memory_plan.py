@@ -8,7 +8,7 @@
     python benchmarks/memory_plan.py --model flux1-dev --guidance 3.5 --world-size 8 --shard
     python benchmarks/memory_plan.py --model ./sd3.5-medium    # a pipeline folder's configurations
     python benchmarks/memory_plan.py --model TINY_FOLDER --check-cpu   # plan against CPU allocator
-    python benchmarks/memory_plan.py --rewards paper2 --lambda 0.4,0.2,0.2,0.2 \
+    python benchmarks/memory_plan.py --rewards paper2 --lambda 0.4,0.2,0.2,0.2 \\
         --judges paper2-judges                                 # two 7B VLMs: docs/sd35.md's paper2
 
 Every model of the run is built at its real size on the meta device (nothing is downloaded or
@@ -135,13 +135,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         "--world-size",
         type=int,
         default=1,
-        help="GPUs of the torchrun command (--nproc_per_node); the plan is per GPU",
+        help="GPUs of the torchrun command (--nproc_per_node; default 1); the plan is per GPU",
     )
     ap.add_argument(
         "--shrink",
         type=int,
         default=0,
-        help="divide every width of the configurations by this (modelzoo.SHRINKS)",
+        help="divide every width of SD3.5-Medium's configurations (sd35m, no other --model) by "
+        "this: 2, 4, 8 or 16 (modelzoo.SHRINKS); default 0, the real sizes",
     )
     ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
                     help="held-out prompts, when no --eval-prompts-file is given "
