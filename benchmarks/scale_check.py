@@ -133,7 +133,8 @@ def fail(flag: str, message: str) -> NoReturn:
 def parse(argv=None) -> argparse.Namespace:
     ap = cli.Parser(prog="scale_check.py", description=__doc__,
                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--out", help="folder for scale_check.md (created; may exist)")
+    ap.add_argument("--out", help="folder for scale_check.md, or reward_timing.md with "
+                    "--reward-timing (created; may exist; --cost-model needs none)")  # fmt: skip
     ap.add_argument("--shrink", type=int, default=0,
                     help=f"divide every width by this ({', '.join(map(str, SHRINKS))}) and run on "
                     "the CPU; leave out for the real sizes (needs a CUDA GPU)")  # fmt: skip
@@ -141,7 +142,8 @@ def parse(argv=None) -> argparse.Namespace:
                     help="prompts per epoch (default: 8, a quarter of the docs' command; "
                     "--shrink: 2)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=0.0,
-                    help=f"seconds for the whole check (default {DEFAULT_BUDGET_S} on the GPU): "
+                    help=f"seconds for the whole check (default {DEFAULT_BUDGET_S} on the GPU, 600 "
+                    "with --shrink on the CPU): "
                     "the 1024 px run gets fewer prompts, or is skipped, to end within "
                     "it")  # fmt: skip
     ap.add_argument("--cost-model", action="store_true",
