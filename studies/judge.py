@@ -145,10 +145,12 @@ def main(argv: list[str] | None = None) -> None:
         "--judge",
         choices=["toy", "vlm"],
         default="toy",
-        help="toy: SSIM to the ideal rendering; vlm: a local vision-language model",
+        help="toy (default): SSIM to the ideal rendering; vlm: a local vision-language model",
     )
     ap.add_argument("--judge-model", default="", help="--judge vlm: the model's local folder")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="--judge vlm: where the model runs (default: cuda if available, else "
+                    "cpu); --judge toy runs on the CPU")  # fmt: skip
     args = ap.parse_args(argv)
     try:
         if args.judge == "vlm" and not args.judge_model:
