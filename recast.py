@@ -58,8 +58,9 @@ class Args:
     """held-out prompts, one per line, for a diffusers --model (default: the last 10%% of
     --prompts-file, which then trains on the rest)"""
     judges: str = ""
-    """held-out judges: reward names scored at eval, never trained on (default: the world's own,
-    shape,iou in the toy world, none for a diffusers model)"""
+    """held-out judges: reward names or presets (paper1-judges, paper2-judges) scored at eval,
+    never trained on (default: the world's own, shape,iou in the toy world, none for a diffusers
+    model)"""
     # --- ReCAST ---
     weighting: Literal["recast", "uniform", "sum", "reversed"] = "recast"
     """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
