@@ -40,8 +40,9 @@ BEFORE = {
 # --precision may be given again, provided it resolves to the run's (check_resumed_precision).
 RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile",
              "precision"}  # fmt: skip
-# Flags that --profile ignores (it trains and evaluates nothing): a note says so when given.
-TRAINING_ONLY = ["epochs", "beta", "lr", "batch_size", "grad_accum", "train_frac", "kl_coef",
+# Flags that --profile ignores (it trains and evaluates nothing): a note says so when given
+# (--batch-size is not one: its rollout samples in batches of it).
+TRAINING_ONLY = ["epochs", "beta", "lr", "grad_accum", "train_frac", "kl_coef",
                  "grad_clip", "decay_rate", "decay_cap", "gain_ema", "gain_every", "eval_every",
                  "eval_seeds", "ckpt_every", "log", "lora_rank", "lora_alpha",
                  "grad_checkpointing"]  # fmt: skip
