@@ -159,9 +159,9 @@ def parse(argv=None) -> argparse.Namespace:
         fail("--shrink", f"must be one of {', '.join(map(str, SHRINKS))} (every width is divided "
              f"by it; leave it out for the real sizes), got {args.shrink}")  # fmt: skip
     if args.prompts < 0:
-        fail("--prompts", f"must be ≥ 1, got {args.prompts}")
+        fail("--prompts", f"must be ≥ 1 (leave it out for the command's own), got {args.prompts}")
     if args.budget < 0 or not math.isfinite(args.budget):
-        fail("--budget", f"must be > 0 seconds, got {args.budget}")
+        fail("--budget", f"must be > 0 seconds (leave it out for the default), got {args.budget}")
     if args.cost_model:
         return args
     if not args.out:
