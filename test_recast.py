@@ -1577,7 +1577,8 @@ def test_missing_aesthetic_head_and_hpsv2_package_say_what_to_do(with_rewards, m
     monkeypatch.delenv("RECAST_AESTHETIC_HEAD")
     with pytest.raises(FileNotFoundError, match="RECAST_AESTHETIC_HEAD"):
         rewards.get("aesthetic", torch.device("cpu"))
-    monkeypatch.setitem(sys.modules, "hpsv2", None)  # not installed, wherever it is
+    for name in ["hpsv2", *(m for m in sys.modules if m.startswith("hpsv2."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # not installed, wherever it is
     with pytest.raises(ImportError, match="pip install hpsv2x"):
         rewards.get("hpsv2", torch.device("cpu"))
 
