@@ -45,8 +45,7 @@ class Args:
     lam: str = ""
     """reward budgets λ, one per reward in --rewards order, e.g. 0.4,0.2,0.2,0.2 (normalised)"""
     rewards: str = "position,color,sharpness,background"
-    """comma-separated reward names or presets from rewards.py (PRESETS: paper1, paper2, toy2 …
-    toy6; default: the toy four)"""
+    """comma-separated reward names or presets (rewards.PRESETS; default: the toy four)"""
     model: str = "toy"
     """'toy' (the tiny model shipped in worlds/toy_model/), a folder holding another toy-world
     transformer (config.json, no model_index.json), or a diffusers pipeline's folder or hub id
@@ -180,8 +179,7 @@ class Args:
     --profile)"""
     resume: bool = False
     """continue the run in --out from its last good checkpoint; the flags not given are the run's
-    (its args.json), and only --device, --epochs, --eval-every, --ckpt-every, --log, --profile and
-    --precision (resolving to the run's precision) may differ from them"""
+    (its args.json), and only those harness.RESUMABLE names may differ (docs/failure_modes.md)"""
     device: str = "auto"
     """cpu, cuda, cuda:N, or auto (cuda if available); under torchrun each rank on CUDA takes its
     LOCAL_RANK's GPU, whatever N"""
