@@ -1,8 +1,9 @@
 """Base vs final eval of one or more recast.py runs (seeds), as markdown tables: mean ± std and
 the worst run per reward, and every run's gaps closed; counts of runs that improve each reward;
 W's marginals and centroids; where the time goes. The runs are the seeds of one configuration:
-they may differ in --seed, --out and the flags --resume may change (harness.RESUMABLE), not in
-the method's (--lambda, --steps, --weighting…), else it exits 2 naming them.
+they may differ in --seed, --out, the flags --resume may change (harness.RESUMABLE) and the
+memory-only ones (--grad-checkpointing, --shard), not in the method's (--lambda's budgets,
+--steps, --weighting…), else it exits 2 naming them.
 
 python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
 """
@@ -62,10 +63,29 @@ def read_args(run: str) -> dict:
         return json.load(f)
 
 
+# Flags that change where memory goes, not what is computed: seeds run with and without them are
+# one configuration (--grad-checkpointing recomputes activations; --shard splits the weights).
+MEMORY_ONLY = {"grad_checkpointing", "shard"}
+
+
+def same(name: str, value):
+    """A flag's value as the method reads it: --lambda as its budgets normalised to sum 1 (2,1,1,1
+    and 0.4,0.2,0.2,0.2 are one λ, cli.parse_lambda), every other flag as written."""
+    if name != "lam" or not isinstance(value, str):
+        return value
+    try:
+        lam = [float(x) for x in value.split(",")]
+    except ValueError:
+        return value
+    total = sum(lam)
+    return tuple(round(x / total, 12) for x in lam) if total > 0 else value
+
+
 def other_method(first: dict, run: dict) -> list[str]:
     """Where two runs' args.json differ on a flag that defines the method: every flag but those a
-    resumed run may change (harness.RESUMABLE: --out, --epochs, --device…) and --seed, each as
-    "FLAG first's → run's". A flag newer than a run takes its value before it existed
+    resumed run may change (harness.RESUMABLE: --out, --epochs, --device…), the memory-only ones
+    (MEMORY_ONLY) and --seed, each as "FLAG first's → run's"; --lambda compares its normalised
+    budgets (`same`). A flag newer than a run takes its value before it existed
     (harness.BEFORE) or its default, as on --resume; a run older than resolved_precision is said
     to have computed in its explicit --precision, and in an unknown one for auto, which matches
     any (harness.check_resumed_precision)."""
@@ -78,8 +98,13 @@ def other_method(first: dict, run: dict) -> list[str]:
     was = (first["resolved_precision"], run["resolved_precision"])
     unknown = {"resolved_precision"} if "auto" in was else set()
     names = [*first, *(k for k in run if k not in first)]
-    differ = [k for k in names if k not in harness.RESUMABLE | {"seed"} | unknown
-              and first.get(k, default.get(k)) != run.get(k, default.get(k))]  # fmt: skip
+    skip = harness.RESUMABLE | MEMORY_ONLY | {"seed"} | unknown
+    differ = [
+        k
+        for k in names
+        if k not in skip
+        and same(k, first.get(k, default.get(k))) != same(k, run.get(k, default.get(k)))
+    ]
     flag = {"resolved_precision": "--precision (resolved)"}
     return [f"{flag.get(k, cli.flag_of(k))} {first.get(k, default.get(k))!r} → "
             f"{run.get(k, default.get(k))!r}" for k in differ]  # fmt: skip
@@ -114,8 +139,8 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
         if differ := other_method(first, read_args(run)):
             cli.fail("RUN", f"{run} is another configuration than {runs[0]}: "
                      f"{', '.join(differ)} ({runs[0]}'s → its): summarize the seeds of one "
-                     "configuration (they may differ in --seed, --out and the flags --resume may "
-                     "change)", "summarize.py")  # fmt: skip
+                     "configuration (they may differ in --seed, --out, the flags --resume may "
+                     "change and the memory-only ones)", "summarize.py")  # fmt: skip
     return lines
 
 

@@ -93,9 +93,10 @@ def test_runs_of_other_rewards_or_judges_exit_2_naming_the_run(tmp_path, capsys)
 
 def test_runs_of_another_method_exit_2_naming_the_flags(tmp_path, capsys):
     """Runs of other --lambda, --steps, --weighting, --normalize… were averaged together as if
-    they were seeds of one configuration. Every flag but --seed and those --resume may change
-    (--out, --epochs…) must match the first run's; a flag an older run predates takes its value
-    before it existed (harness.BEFORE), as on --resume."""
+    they were seeds of one configuration. Every flag but --seed, those --resume may change
+    (--out, --epochs…) and the memory-only ones must match the first run's, --lambda as its
+    normalised budgets; a flag an older run predates takes its value before it existed
+    (harness.BEFORE), as on --resume."""
     final = {"position": 0.5, "background": 0.1, "iou": 0.2}
     flags = {"rewards": "position,background", "lam": "0.4,0.6", "steps": 10,
              "weighting": "recast", "normalize": "joint", "epochs": 20}  # fmt: skip
@@ -109,6 +110,8 @@ def test_runs_of_another_method_exit_2_naming_the_flags(tmp_path, capsys):
     first = run("a", 0)
     same = [run("b", 1, epochs=40, device="cuda"), run("c", 2, eval_every=5)]
     summarize.main([first, *same])  # seeds, out, and flags --resume may change: one configuration
+    memory = [run("m", 12, grad_checkpointing=True), run("n", 13, shard=True, lam="2,3")]
+    summarize.main([first, *memory])  # memory-only flags, and λ 2,3 = 0.4,0.6: one configuration
     assert "3 runs, final epoch 1;" in capsys.readouterr().out
     older = run("d", 3, normalize="per-reward")
     args = json.loads((tmp_path / "d" / "args.json").read_text())
