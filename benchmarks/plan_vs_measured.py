@@ -57,6 +57,14 @@ def read_report(path: str) -> dict:
         cli.fail("REPORT", f"{path} has no scale check's JSON block (```json with its runs): "
                  "give a report of benchmarks/scale_check.py, e.g. docs/gpu/h200_scale_check.md",
                  PROG)  # fmt: skip
+    for name, run in report["runs"].items():
+        ok = isinstance(run, dict) and (not run.get("complete") or (
+            isinstance(run.get("flags"), list) and isinstance(run.get("mem_gib"), dict)
+            and "eval_prompts" in (run.get("settings") or {})))  # fmt: skip
+        if not ok:
+            cli.fail("REPORT", f"{path}'s run {name!r} lacks what benchmarks/scale_check.py writes "
+                     "for a complete run (flags, settings.eval_prompts, mem_gib): give a report "
+                     "it wrote", PROG)  # fmt: skip
     return report
 
 
@@ -65,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("report", help="a scale check's report (scale_check.md)")
     args = ap.parse_args(argv)
     report = read_report(args.report)
-    print(f"{report['device']}: measured by benchmarks/scale_check.py; planned here by "
+    device = report.get("device", "a device the report does not name")
+    print(f"{device}: measured by benchmarks/scale_check.py; planned here by "
           "benchmarks/memory_plan.py. Peak allocated GiB per phase.\n")  # fmt: skip
     print("| run | phase | planned | measured | planned ÷ measured |\n|---|---|---|---|---|")
     for name, run in report["runs"].items():

@@ -275,14 +275,18 @@ def test_a_report_that_is_missing_or_not_a_scale_check_exits_2_naming_it(tmp_pat
     (tmp_path / "notes.md").write_text("# notes\n")
     (tmp_path / "other.md").write_text('```json\n{"a": 1}\n```\n')
     (tmp_path / "torn.md").write_text('```json\n{"runs": \n```\n')
+    (tmp_path / "bare.md").write_text('```json\n{"runs": {"r": {"complete": true}}}\n```\n')
     wrong = "has no scale check's"
     for name, said in (("missing.md", "cannot read"), ("notes.md", wrong), ("other.md", wrong),
-                       ("torn.md", "cannot read")):  # fmt: skip
+                       ("torn.md", "cannot read"), ("bare.md", "'r' lacks what")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             plan_vs_measured.main([str(tmp_path / name)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1
         assert err.startswith("plan_vs_measured.py: error: REPORT: ") and said in err
+    (tmp_path / "unnamed.md").write_text('```json\n{"runs": {"r": {"complete": false}}}\n```\n')
+    plan_vs_measured.main([str(tmp_path / "unnamed.md")])  # a KeyError when it named no device
+    assert capsys.readouterr().out.startswith("a device the report does not name: measured")
 
 
 def test_the_plan_runs_every_batch_and_the_transformer_where_the_peak_is():
