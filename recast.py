@@ -21,6 +21,7 @@ DESIGN.md gives every formula; the phases below carry its section numbers.
     torchrun --nproc_per_node=8 recast.py --model ./sd3.5-medium ...  # DDP, several GPUs
     torchrun --nproc_per_node=8 recast.py --model ./FLUX.1-dev --shard ...  # FSDP2: sharded
     python recast.py --export runs/NAME --to lora/   # the trained LoRA, for diffusers' pipelines
+                                         # (its flags, --to and --overwrite: --export RUN --help)
 
 Paper: "ReCAST: Reward Credit Assignment across Timesteps for Online Diffusion Reinforcement"
 (arXiv 2609.13425). Loss and old-policy schedule: DiffusionNFT (arXiv 2509.16117).

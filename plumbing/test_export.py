@@ -111,9 +111,12 @@ def test_export_bad_input_exits_2_naming_the_run_and_writes_nothing(tmp_path, ca
 
 def test_export_help_is_the_exports():
     """`recast.py --export RUN --help` prints the export's flags (--export, --to, --overwrite),
-    not a training run's."""
+    not a training run's; `recast.py --help` says where they are."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "recast.py", "--export", "RUN", "--help"], cwd=root,
                           capture_output=True, text=True, check=True)  # fmt: skip
     assert "--overwrite" in done.stdout and "--to DIR" in done.stdout, done.stdout
     assert "--lambda" not in done.stdout, done.stdout
+    run = subprocess.run([sys.executable, "recast.py", "--help"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert "--export RUN --help" in run and "--overwrite" in run  # where the export's flags are
