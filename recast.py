@@ -99,7 +99,8 @@ class Args:
     except under --profile (every group)"""
     score_precision: Literal["fp32", "bf16"] = "fp32"
     """fp32 | bf16: the step predictions' scoring for the gains (decode and reward forwards) under
-    bf16 autocast, at about 15x an H100's fp32 rate; the final scores that train stay fp32
+    bf16 autocast, whose peak matmul rate is about 15x fp32's on an H100 (its data sheet, 989 vs
+    67 TFLOP/s: benchmarks/scale_check.py's SPEC_TFLOPS); the final scores that train stay fp32
     default: 'fp32'; 'bf16' with a diffusers --model"""
     score_size: int = 0
     """0 (off) | PX: the step predictions scored for the gains are resized (area) to at most PX on
