@@ -415,13 +415,27 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
 
 def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
     """Say once a run that a reward is constant in every group (K, M, G) of an epoch: it trains
-    nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3)."""
-    flat = (groups.amax(2) == groups.amin(2)).all(1)
-    for k in flat.nonzero().flatten().tolist():
-        if run.names[k] not in run.flat_said:
-            run.flat_said.add(run.names[k])
-            run.log(f"note: reward {run.names[k]} is constant in every group at epoch {epoch}: it "
+    nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3). Say it too of a
+    reward whose within-group spread is out of its scores' dtype's range: its variance under- or
+    overflows (fp32: a spread below about 1e-19 or above 1e19), the normalisations read 0 or
+    infinity, and it trains nothing as silently; --reward-scale brings it back."""
+    same = groups.amax(2) == groups.amin(2)  # (K, M)
+    centred = torch.where(same[..., None], 0, groups - groups.mean(2, keepdim=True))
+    spread = centred.pow(2).mean((1, 2)).sqrt()  # in the scores' dtype, as the rules compute it
+    exact = centred.double().pow(2).mean((1, 2)).sqrt()
+    for k, name in enumerate(run.names):
+        if name in run.flat_said:
+            continue
+        if same[k].all():
+            run.flat_said.add(name)
+            run.log(f"note: reward {name} is constant in every group at epoch {epoch}: it "
                     "trains nothing while it stays so (said once a run)")  # fmt: skip
+        elif not 0 < spread[k] < math.inf and 0 < exact[k] < math.inf:
+            run.flat_said.add(name)
+            run.log(f"note: reward {name}'s scores vary by about {exact[k]:.3g} within its groups "
+                    f"at epoch {epoch}, a spread whose square {groups.dtype} cannot hold: it reads "
+                    "as 0 or infinite and the reward trains nothing; give it --reward-scale to "
+                    "bring its spread near 1 (said once a run)")  # fmt: skip
 
 
 def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor) -> dict:

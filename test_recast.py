@@ -1376,6 +1376,21 @@ def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypat
         assert max(abs(x) for x in m["D"][1]) == 0  # a constant reward reveals nothing
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_a_spread_out_of_fp32s_range_is_noted(tmp_path, monkeypatch, capsys, scale):
+    """A reward whose within-group spread fp32 cannot square (its variance under- or overflows)
+    read as 0 or infinity and trained nothing without a word; now a note names it and the fix."""
+
+    def spread(images, prompts):  # scores 0, scale, 2·scale…: within-group spread ~ scale
+        return torch.arange(len(prompts), dtype=torch.float32) * scale
+
+    monkeypatch.setitem(rewards.REWARDS, "color", spread)
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", tmp_path / "run")
+    out = capsys.readouterr().out
+    assert out.count("note: reward color's scores vary by about ") == 1, out
+    assert "a spread whose square torch.float32 cannot hold" in out and "--reward-scale" in out
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     import recast
     from plumbing import checkpoints
