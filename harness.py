@@ -417,7 +417,7 @@ def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
     """Say once a run that a reward is constant in every group (K, M, G) of an epoch: it trains
     nothing that epoch (r = 1/2 under every normalisation, no NaN: DESIGN §3). Say it too of a
     reward whose within-group spread is out of its scores' dtype's range: its variance under- or
-    overflows (fp32: a spread below about 1e-19 or above 1e19), the normalisations read 0 or
+    overflows (fp32: a spread below about 1e-22 or above 2e19), the normalisations read 0 or
     infinity, and it trains nothing as silently; --reward-scale brings it back."""
     same = groups.amax(2) == groups.amin(2)  # (K, M)
     centred = torch.where(same[..., None], 0, groups - groups.mean(2, keepdim=True))
