@@ -29,12 +29,23 @@ from plumbing.distributed import _seconds, exit_if_rank_lost, load_optimizer_sta
 from plumbing.seeding import set_rng_state
 
 _locks: dict[str, int] = {}  # run folder → the descriptor of its .lock, held for life
+_folders: list[str] = []  # this process's run folders, newest last: on every rank (rank 0 locks)
+
+
+def remember(out: str) -> None:
+    """Note `out` as this process's run folder, the one run_main names for a full disk's write
+    that names no file: on every rank, though only rank 0 holds the lock."""
+    key = os.path.realpath(out)
+    if key in _folders:
+        _folders.remove(key)
+    _folders.append(key)
 
 
 def lock_run(out: str) -> None:
     """Hold OUT/.lock while this process lives: an exclusive flock, which the OS drops when the
     process ends, however it ends (SIGKILL too), so a stale lock never blocks --resume. Another
     live process holding it: exit 2 naming it (pid, host), having written nothing."""
+    remember(out)
     key = os.path.realpath(out)
     if key in _locks:
         return
@@ -188,6 +199,7 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
             if state["gains_ema"] is not None:
                 gains_ema = torch.tensor(state["gains_ema"], dtype=torch.float64)
             log(f"resuming {args.out} after epoch {state['epoch']}")
+    remember(args.out)  # every rank's: a full disk on any rank names this folder (run_main)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup
@@ -315,7 +327,7 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
     except OSError as e:  # a picture or log that a full disk refused
         if e.errno not in DISK_FULL:
             raise
-        run = next(reversed(_locks), ".")  # this process's newest run folder, where it was
+        run = _folders[-1] if _folders else "."  # this process's newest run folder
         # a write to an open file names none; a bare name (relative to the working folder) no
         # folder: both are said in the run's, whose --resume command is the one to give
         folder = os.path.dirname(e.filename or "") or run

@@ -235,9 +235,11 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     tmp_path, monkeypatch, capsys
 ):
     """An OSError of a full disk raised by a write to an open file names no file (a third-party
-    writer's): the one line still names this run's folder (the newest locked in the process),
-    its newest checkpoint and the resume command of that folder, not '.'."""
+    writer's): the one line still names this run's folder (the newest of the process), its
+    newest checkpoint and the resume command of that folder, not '.'; on a rank other than 0
+    too, which holds no lock."""
     monkeypatch.setattr(rundir, "_locks", {})
+    monkeypatch.setattr(rundir, "_folders", [])
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "earlier").mkdir()
     rundir.lock_run(str(tmp_path / "earlier"))  # a run before it in this process (tests do)
@@ -263,6 +265,14 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     assert f"continue: python recast.py --out {tmp_path} --resume" in err
     os.close(rundir._locks.pop(str(tmp_path)))
     os.close(rundir._locks.pop(str(tmp_path / "earlier")))
+
+    def other_rank():  # rank 1 of a run in `later`: rank 0 holds the lock, this rank none
+        rundir.remember(str(tmp_path / "later"))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(SystemExit):
+        rundir.run_main(other_rank, ())
+    assert f"could not write a file in {tmp_path / 'later'}: " in capsys.readouterr().err
 
 
 def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monkeypatch):
