@@ -256,6 +256,10 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
         cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
                  "--normalize for the sum of the raw scores, or give --normalize unit-joint for "
                  "the sum of unit-free ones")  # fmt: skip
+    if args.model != "toy" and is_toy_model(args.model):  # before what it says of the toy world
+        not_toy = toyworld.not_a_toy_model(args.model)  # e.g. a pipeline's transformer/ folder
+        if not_toy:
+            cli.fail("--model", not_toy)
     if args.shard and not is_diffusers(args.model):
         cli.fail("--shard", "the toy world fits any device whole: drop --shard (it is for "
                  "diffusers models, --model)")  # fmt: skip

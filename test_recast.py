@@ -1787,6 +1787,32 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     assert not os.path.exists(out)
 
 
+def test_a_pipelines_component_folder_as_model_exits_2_naming_model(tmp_path, capsys):
+    """A folder with a config.json and no model_index.json is taken for a toy-world model: one
+    that is not (a pipeline's transformer/ folder: FLUX.1's, or SD3.5's, an SD3 transformer of
+    16 latent channels) exits 2 naming --model and the pipeline's folder, before the toy world's
+    own checks (--shard) and before any weight is read; the shipped toy model's config passes."""
+    from worlds import toyworld
+
+    out = str(tmp_path / "run")
+    shipped = json.loads((Path(toyworld.MODEL_DIR) / "config.json").read_text())
+    for name, config in (("flux", {"_class_name": "FluxTransformer2DModel", "in_channels": 64}),
+                         ("sd35", {**shipped, "in_channels": 16})):  # fmt: skip
+        folder = tmp_path / name / "transformer"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+        for more in ([], ["--shard"]):
+            err = recast_exit(capsys, "--lambda", "0.4,0.2,0.2,0.2", "--model", str(folder),
+                              "--out", out, *more)  # fmt: skip
+            assert "error: --model" in err and "model_index.json" in err, err
+        assert ("FluxTransformer2DModel" if name == "flux" else "in_channels 16") in err
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    (toy / "config.json").write_text(json.dumps(shipped))
+    assert toyworld.not_a_toy_model(str(toy)) is None
+    assert not os.path.exists(out)
+
+
 def test_offline_hub_ids_fail_at_once_naming_the_cause(
     sd3_dir, prompts_file, tmp_path, capsys, monkeypatch
 ):

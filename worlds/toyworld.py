@@ -217,6 +217,36 @@ def velocity(model, x: torch.Tensor, cond: tuple[torch.Tensor, torch.Tensor], t:
     ).sample
 
 
+# what a toy-world model must read and write: its pixels, patches and the toy text encoding
+INTERFACE = ("in_channels", "out_channels", "sample_size", "patch_size", "joint_attention_dim",
+             "pooled_projection_dim")  # fmt: skip
+
+
+def not_a_toy_model(path: str) -> str | None:
+    """Why the folder `path`, which holds a config.json, is not a toy-world model, or None when it
+    is one: its config.json names an SD3Transformer2DModel with MODEL_CONFIG's INTERFACE. A
+    component folder of a diffusers pipeline (its transformer/) holds a config.json too, and would
+    otherwise be loaded as a toy model, failing on its weights or its first forward."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{path}/config.json cannot be read as a toy-world model's ({e})"
+    found = config.get("_class_name") if isinstance(config, dict) else None
+    if found != "SD3Transformer2DModel":
+        differs = f"a {found}"
+    else:
+        wrong = [k for k in INTERFACE if config.get(k) != MODEL_CONFIG[k]]
+        if not wrong:
+            return None
+        key = wrong[0]
+        differs = (f"an SD3 transformer of {key} {config.get(key)} (the toy world's: "
+                   f"{MODEL_CONFIG[key]})")  # fmt: skip
+    return (f"{path} holds {differs} (config.json) and no model_index.json: neither a toy-world "
+            "model nor a diffusers pipeline. For a diffusers model give the pipeline's folder, "
+            "the one holding model_index.json, not a component's (transformer/)")  # fmt: skip
+
+
 def load_base(path: str = MODEL_DIR, dtype: torch.dtype = torch.float32):
     from diffusers import SD3Transformer2DModel
 
