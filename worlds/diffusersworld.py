@@ -28,6 +28,7 @@ docs/models.md lists what each family holds and how to add one.
 """
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -73,6 +74,14 @@ def check(args) -> None:
     """The flags every diffusers run needs (`args`: recast.py's flags), checked before anything
     is loaded; a BadInput naming the flag. (That its rewards are not the toy world's is
     harness.check_rewards', which knows the rewards.)"""
+    if args.lora_rank < 1:  # peft's own refusal would come at load, read as a bad --model
+        raise BadInput("--lora-rank", f"must be ≥ 1, got {args.lora_rank}")
+    if args.lora_alpha <= 0:  # the adapters' scale alpha / rank: at 0 they get no gradient
+        raise BadInput("--lora-alpha", f"must be > 0 (the adapters' scale is alpha / rank: 0 "
+                       f"trains nothing), got {args.lora_alpha}")  # fmt: skip
+    if not 0 <= args.guidance < math.inf:  # NaN or inf would make every velocity NaN
+        raise BadInput("--guidance", f"must be ≥ 0 and finite (0: the family has no guidance "
+                       f"input), got {args.guidance}")  # fmt: skip
     if not args.prompts_file:
         raise BadInput(
             "--prompts-file", f"--model {args.model} needs training prompts, one per line"

@@ -263,6 +263,25 @@ def test_bad_input_exits_2_naming_the_flag(tiny_dirs, prompts_file, reward_env, 
     assert not os.path.exists(out)
 
 
+OUT_OF_RANGE = [("--lora-rank", "0"), ("--lora-alpha", "0"), ("--lora-alpha", "-8"),
+                ("--guidance", "nan"), ("--guidance", "inf"), ("--guidance", "-1")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value"), OUT_OF_RANGE)
+def test_diffusers_flags_out_of_range_exit_2_naming_the_flag(flag, value, prompts_file, tmp_path,
+                                                             capsys):  # fmt: skip
+    """A LoRA rank below 1 (peft refused it at load, and the run blamed --model), an alpha ≤ 0
+    (adapters scaled by 0 get no gradient: nothing trains), a guidance that is not finite (NaN
+    velocities) or negative: exit 2 naming the flag and the value, before any model is looked
+    for (a hub id, never reached), nothing written."""
+    out = tmp_path / "run"
+    err = recast_exit(capsys, "--model", "org/not-looked-for", "--rewards", "pickscore",
+                      "--lambda", "1", "--prompts-file", prompts_file, "--out", str(out),
+                      flag, value)  # fmt: skip
+    assert f"error: {flag}" in err and f"got {value}" in err, err
+    assert not out.exists()
+
+
 def run(*command, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
