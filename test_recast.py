@@ -960,6 +960,9 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--log", "mlflow"], "--log"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--device", "gpu"], "--device"),  # not a torch device
+    (["--lambda", "0.4,0.2,0.2,0.2", "--device", "meta"], "--device"),  # not cpu or cuda
+    (["--lambda", "0.4,0.2,0.2,0.2", "--device", "cuda:99"], "--device"),  # no such GPU here
     (["--lambda", "0.4,0.2,0.2,0.2", "--precision", "fp16"], "--precision"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--precision", "bf16"], "--precision"),  # the toy world
     (["--lambda", "0.4,0.2,0.2,0.2", "--judges", "beauty"], "--judges"),

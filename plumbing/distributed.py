@@ -104,6 +104,27 @@ def nccl_environment() -> dict[str, str]:
     return unset
 
 
+def check_device(text: str, distributed: bool) -> None:
+    """--device names a device this machine has: cpu, cuda or cuda:N (N below the GPU count; under
+    torchrun the index is not read: each rank takes its LOCAL_RANK's GPU), or auto; else exit 2
+    naming --device, before the process group or any model, instead of a traceback at the first
+    tensor moved there."""
+    if text == "auto":
+        return
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        cli.fail("--device", f"{text!r} is not one of cpu, cuda, cuda:N or auto")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and not gpus:
+        cli.fail("--device", f"{text}: torch finds no CUDA GPU here: use --device cpu (or auto)")
+    if device.type == "cuda" and not distributed and (device.index or 0) >= gpus:
+        cli.fail("--device", f"{text}: this machine has {gpus} CUDA GPU(s), cuda:0 to "
+                 f"cuda:{gpus - 1}")  # fmt: skip
+
+
 def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     """(rank, device), the process group started under torchrun with startup_timeout (the loop
     runs with collective_timeout: start_training); seeds set per rank. On CUDA each rank takes
@@ -111,7 +132,9 @@ def init_processes(args, distributed: bool) -> tuple[int, torch.device]:
     torchtitan does): NCCL then sets up its communicator for that GPU at once, instead of at the
     first collective, and a barrier needs no guess of which GPU is this rank's. On nccl its
     diagnostics are on (nccl_environment), and rank 0 says what a lost rank will print and how to
-    resume. On the CPU (gloo) the group is made without device_id."""
+    resume. On the CPU (gloo) the group is made without device_id. A --device this machine lacks
+    exits 2 first (check_device)."""
+    check_device(args.device, distributed)
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device(("cuda" if use_cuda else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and distributed:
