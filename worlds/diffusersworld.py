@@ -87,10 +87,14 @@ def check(args) -> None:
             "--prompts-file", f"--model {args.model} needs training prompts, one per line"
         )
     files = {"--prompts-file": args.prompts_file, "--eval-prompts-file": args.eval_prompts_file}
-    for flag, path in files.items():
-        if path and not os.path.isfile(path):
+    for flag, path in ((f, p) for f, p in files.items() if p):
+        if not os.path.isfile(path):
             raise BadInput(flag, f"{path} is not a file")
-        if path and not read_prompts(path):
+        try:
+            prompts = read_prompts(path)
+        except (OSError, UnicodeDecodeError) as e:  # unreadable, or another encoding
+            raise BadInput(flag, f"{path} cannot be read as UTF-8 text ({e})") from e
+        if not prompts:
             raise BadInput(flag, f"{path} holds no prompts (one per line, blank lines skipped)")
     train, _ = split_prompts(args.prompts_file, args.eval_prompts_file)
     if not train:

@@ -282,6 +282,21 @@ def test_diffusers_flags_out_of_range_exit_2_naming_the_flag(flag, value, prompt
     assert not out.exists()
 
 
+def test_a_prompts_file_in_another_encoding_exits_2_naming_it(prompts_file, tmp_path, capsys):
+    """A prompts file that is not UTF-8 (Latin-1's "café") ended in a UnicodeDecodeError's
+    traceback: exit 2 naming the flag and the file, nothing written."""
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("a café by the sea\n".encode("latin-1"))
+    out = tmp_path / "run"
+    base = ["--model", "org/not-looked-for", "--rewards", "pickscore", "--lambda", "1", "--out",
+            str(out)]  # fmt: skip
+    for flags in (["--prompts-file", str(latin)],
+                  ["--prompts-file", prompts_file, "--eval-prompts-file", str(latin)]):  # fmt: skip
+        err = recast_exit(capsys, *base, *flags)
+        assert f"error: {flags[-2]}" in err and "UTF-8" in err and str(latin) in err, err
+    assert not out.exists()
+
+
 def run(*command, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
