@@ -14,6 +14,7 @@ arguments to sample CFG-free).
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -260,6 +261,16 @@ def test_bad_input_exits_2_naming_the_flag(tiny_dirs, prompts_file, reward_env, 
         flags = [*base, "--model", tiny_dirs(variant), *VARIANTS[variant][1]]
         err = recast_exit(capsys, *flags, "--resolution", "34")
         assert "error: --resolution" in err and "e.g. 32" in err, variant
+        if "--guidance" not in flags:  # a family without a guidance input refuses one
+            err = recast_exit(capsys, *flags, "--guidance", "3.5")
+            assert "error: --guidance" in err and "drop --guidance" in err, variant
+    shifting = tmp_path / "sd3-dynamic"  # an SD3 whose scheduler shifts by resolution
+    shutil.copytree(tiny_dirs("sd3"), shifting)
+    scheduler = shifting / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()),
+                                     "use_dynamic_shifting": True}))  # fmt: skip
+    err = recast_exit(capsys, *base, "--model", str(shifting))
+    assert "error: --model" in err and "use_dynamic_shifting" in err
     assert not os.path.exists(out)
 
 
