@@ -1,8 +1,8 @@
 """FLUX.1-dev and FLUX.1-schnell (`FluxPipeline`): the family part of the diffusers world.
 
 How FLUX.1 differs from SD3 (worlds/sd3world.py):
-- text: CLIP-L's pooled embedding and T5-XXL's 512 tokens (-schnell: 256, its pipeline's limit; no
-  CLIP tokens in the sequence), and position ids for the text tokens (zeros);
+- text: CLIP-L's pooled embedding and T5-XXL's 512 tokens (-schnell: 256, as BFL's own sampler
+  encodes for it; no CLIP tokens in the sequence), and position ids for the text tokens (zeros);
 - time: the transformer reads σ ∈ [0, 1] (it multiplies by 1000 itself), not t·1000;
 - latents: 2×2 patches of the VAE's 16 channels packed into tokens of 64, (h/2 · w/2, 64), with
   (row, column) position ids; the VAE's scaling and shift are undone after unpacking;
@@ -28,8 +28,9 @@ LORA_TARGETS = [
     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
 ]  # fmt: skip
-# T5 tokens per prompt: the pipeline's default for -dev; -schnell was trained on 256 (its
-# pipeline's limit, and its model card's value)
+# T5 tokens per prompt: the pipeline's default for -dev; -schnell's is 256, which BFL's reference
+# sampler encodes for it (black-forest-labs/flux, src/flux/cli.py: load_t5's max_length) and its
+# model card passes (diffusers' FluxPipeline allows up to 512 for either)
 MAX_SEQUENCE_LENGTH = {"dev": 512, "schnell": 256}
 DECODE_CHUNK = 8
 ENCODE_CHUNK = 8

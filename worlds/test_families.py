@@ -110,7 +110,7 @@ def test_velocity_schedule_and_decode_match_the_pipeline(variant, tiny_dirs, pro
     cond = world.encode(prompts)
     if variant == "qwen-image":  # prompts of different lengths: the mask path is compared
         assert not cond[1].all()
-    if variant.startswith("flux-"):  # T5 tokens: -schnell's pipeline allows 256
+    if variant.startswith("flux-"):  # T5 tokens: 256 for -schnell (fluxworld)
         assert cond[0].shape[1] == (256 if variant == "flux-schnell" else 512)
     for i, (x, expected) in enumerate(calls):
         v = world.v("ref", x, cond, sigmas[i].expand(3))
