@@ -317,9 +317,9 @@ class DiffusersWorld:
 
     def __init__(self, args, device: torch.device, family, pipe=None):
         """`args`: recast.py's flags (model, prompts_file, eval_prompts_file, resolution, seed,
-        lora_rank, lora_alpha, grad_checkpointing, guidance are read). `pipe`: the family's
-        pipeline already built (benchmarks/memory_plan.py builds one on the meta device), used
-        instead of loading --model.
+        lora_rank, lora_alpha, grad_checkpointing, guidance, precision, shard are read). `pipe`:
+        the family's pipeline already built (benchmarks/memory_plan.py builds one on the meta
+        device), used instead of loading --model.
 
         Under --shard (args.shard, in a process group) the transformer and the text encoders are
         built on the meta device (`skeleton`: no weight read, nothing allocated), the adapters

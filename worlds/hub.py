@@ -1,6 +1,6 @@
 """Where a model comes from: a local path, or a hub id found in the cache or over the network.
 
-`locate` is called before any model is loaded (the SD3 pipeline, the reward models), so that a
+`locate` is called before any model is loaded (--model's pipeline, the reward models), so that a
 missing model fails at once with its cause named, instead of after the Hugging Face libraries'
 retries with "does not appear to have a file named ...". Offline means `HF_HUB_OFFLINE` is set, or
 the hub (`HF_ENDPOINT`, default https://huggingface.co) cannot be reached within PROBE_S seconds.
@@ -43,7 +43,9 @@ def _probe(endpoint: str) -> str | None:
 
 
 def is_hub_id(name: str) -> bool:
-    """'org/name' that is not a path on this machine (a path has another shape or exists)."""
+    """`name` has a hub id's shape, 'org/name' (two non-empty parts, not starting with . or ~).
+    It does not look at the disk: a local path of that shape passes too, so callers look for the
+    path first (locate: os.path.exists)."""
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 

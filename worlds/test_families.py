@@ -4,8 +4,9 @@ locally by modelzoo (generated tokenizers; nothing is downloaded):
   latents, prompt and σ (which pins each family's time convention, packing and guidance), its
   schedule equals the pipeline's, and its decode equals the pipeline's decode;
 - the velocity does not depend on the batch it is computed in;
-- bad input (a pipeline class that is not supported, a flag a family needs, a resolution that
-  is not a multiple of the family's latent patch) exits 2 naming the flag;
+- bad input (a pipeline class that is not supported, a flag a family needs or refuses, a
+  resolution that is not a multiple of the family's latent patch, a LoRA rank, alpha or guidance
+  out of range, a prompts file that is not UTF-8) exits 2 naming the flag;
 - whole runs per family: two epochs with --resume, and --profile; under torchrun (slow).
 To test a new family, add its variants to VARIANTS (and PIPELINE_CALL when its pipeline needs
 arguments to sample CFG-free).
