@@ -306,6 +306,8 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
             diffusersworld.check(args)  # --prompts-file, --eval-prompts-file
         except diffusersworld.BadInput as e:
             cli.fail(e.flag, str(e))
+        _, held_out = diffusersworld.split_prompts(args.prompts_file, args.eval_prompts_file)
+        check_held_out(args, len(held_out), world_size)  # before minutes of loading
     if args.resume and not args.profile and rank0:
         rundir.lock_run(args.out)  # another live run in this folder: exit 2, at once
     args.out = args.out or os.path.join(
@@ -319,14 +321,7 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     if args.resume and precision is not None:
         check_resumed_precision(args, precision, device, rank0)
     world = load_world(args, device)
-    if len(world.eval_prompts) < world_size:  # every rank evaluates a share; rank 0 draws its own
-        cli.fail("--eval-prompts-file", f"{len(world.eval_prompts)} held-out prompts for "
-                 f"{world_size} processes: hold out at least one per process")  # fmt: skip
-    held = len(world.eval_prompts) * args.eval_seeds
-    if args.shard and held % world_size:  # sharded forwards are collectives: equal shares
-        cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {len(world.eval_prompts)}"
-                 f" held-out prompts × --eval-seeds {args.eval_seeds} is not a multiple of "
-                 f"{world_size} processes")  # fmt: skip
+    check_held_out(args, len(world.eval_prompts), world_size)  # the toy world's
     if args.shard:  # FSDP2: each rank holds a shard of each layer (docs/models.md); the models
         # were built on the meta device and get their shards' weights once sharded (load_shards)
         shard_models(world.shardable(), device, resolve_precision(args, device),
@@ -352,6 +347,18 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     sigmas = world.sigmas(args.steps)
     return Run(args, names, lam, rank, world_size, world, reward_fns, scorers, sigmas, params,
                optimizer, precision)  # fmt: skip
+
+
+def check_held_out(args, held_out: int, world_size: int) -> None:
+    """Every rank evaluates a share of the `held_out` prompts (rank 0 draws its own), and under
+    --shard equal shares (its forwards are collectives): else exit 2 naming --eval-prompts-file."""
+    if held_out < world_size:
+        cli.fail("--eval-prompts-file", f"{held_out} held-out prompts for {world_size} "
+                 "processes: hold out at least one per process")  # fmt: skip
+    if args.shard and held_out * args.eval_seeds % world_size:
+        cli.fail("--eval-prompts-file", f"--shard evaluates equal shares: {held_out} held-out "
+                 f"prompts × --eval-seeds {args.eval_seeds} is not a multiple of {world_size} "
+                 "processes")  # fmt: skip
 
 
 def check_resumed_precision(args, precision: str, device: torch.device, rank0: bool) -> None:

@@ -309,6 +309,30 @@ def test_a_prompts_file_in_another_encoding_exits_2_naming_it(prompts_file, tmp_
     assert not out.exists()
 
 
+def test_too_few_held_out_prompts_for_the_ranks_exit_2_before_loading(
+    prompts_file, tmp_path, capsys, monkeypatch
+):
+    """Under torchrun (RANK and WORLD_SIZE set, as torchrun sets them; 2 ranks) held-out prompts
+    fewer than the ranks, or under --shard not a multiple of them (× --eval-seeds), exit 2 naming
+    --eval-prompts-file before any model is looked for (a hub id, never reached) or the process
+    group made, not after the models are loaded."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    three = tmp_path / "three.txt"
+    three.write_text("a purple cat\na purple boat\na purple tree\n")
+    out = tmp_path / "run"
+    base = ["--model", "org/not-looked-for", "--rewards", "pickscore", "--lambda", "1",
+            "--prompts-file", prompts_file, "--prompts", "2", "--batch-size", "2", "--out",
+            str(out)]  # fmt: skip
+    err = recast_exit(capsys, *base)  # 12 prompts: the last one held out
+    assert "error: --eval-prompts-file" in err and "1 held-out prompts for 2 processes" in err
+    err = recast_exit(
+        capsys, *base, "--eval-prompts-file", str(three), "--eval-seeds", "1", "--shard"
+    )
+    assert "error: --eval-prompts-file" in err and "equal shares" in err, err
+    assert not out.exists()
+
+
 def run(*command, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
