@@ -139,6 +139,30 @@ def test_velocity_does_not_depend_on_the_batch(variant, tiny_dirs, prompts_file)
     assert torch.allclose(together, alone, atol=1e-5, rtol=1e-4)
 
 
+def test_prompts_of_different_lengths_encode_the_same_in_chunks(tiny_dirs, prompts_file,
+                                                               monkeypatch):  # fmt: skip
+    """Qwen-Image's prompts take different lengths (with a mask): encoded one prompt a chunk
+    (ENCODE_CHUNK 1), each chunk its own length, the chunks are zero-padded at the end to the
+    longest (diffusersworld._cat), as the pipeline pads a batch: the same embeddings and mask as
+    all three in one chunk, and the same velocity."""
+    from worlds import qwenimageworld
+
+    world, _ = world_of("qwen-image", tiny_dirs("qwen-image"), prompts_file)
+    prompts = ["a cat", "a small gold boat under a tall green tree by a red cat", PROMPTS[4]]
+    together = world.encode(prompts)
+    monkeypatch.setattr(qwenimageworld, "ENCODE_CHUNK", 1)
+    apart = world.encode(prompts)
+    lengths = together[1].sum(1)
+    assert len(set(lengths.tolist())) == 3 and lengths.max() == together[1].shape[1]
+    assert torch.equal(apart[1], together[1])
+    assert torch.allclose(apart[0], together[0], atol=1e-5, rtol=1e-4)
+    x = torch.randn(3, *world.latent_shape, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.9, 0.5, 0.2])
+    with torch.no_grad():
+        v = [world.v("ref", x, cond, t) for cond in (together, apart)]
+    assert torch.allclose(v[0], v[1], atol=1e-5, rtol=1e-4)
+
+
 ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj",
              "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]  # fmt: skip
 # variant: {block type: the Linear layers of one block that take adapters (docs/models.md)}
