@@ -40,6 +40,9 @@ BEFORE = {
 # --precision may be given again, provided it resolves to the run's (check_resumed_precision).
 RESUMABLE = {"out", "resume", "device", "epochs", "eval_every", "ckpt_every", "log", "profile",
              "precision"}  # fmt: skip
+# Flags of a diffusers --model that the toy world has no use for: given with it, exit 2
+DIFFUSERS_ONLY = ["prompts_file", "eval_prompts_file", "guidance", "lora_rank", "lora_alpha",
+                  "grad_checkpointing"]  # fmt: skip
 # Flags that --profile ignores (it trains and evaluates nothing): a note says so when given
 # (--batch-size is not one: its rollout samples in batches of it).
 TRAINING_ONLY = ["epochs", "beta", "lr", "grad_accum", "train_frac", "kl_coef",
@@ -266,6 +269,11 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
     if args.precision == "bf16" and not is_diffusers(args.model):
         cli.fail("--precision", "the toy world computes in fp32: drop --precision (it is for "
                  "diffusers models, --model)")  # fmt: skip
+    ignored = [] if is_diffusers(args.model) else cli.given(argv, DIFFUSERS_ONLY)
+    if ignored:  # e.g. --prompts-file without --model: the toy world would train on its own
+        cli.fail(ignored[0], f"is for a diffusers --model; the toy world (--model "
+                 f"{args.model}) has its own prompts and trains every weight: give --model "
+                 f"PIPELINE, or drop {', '.join(ignored)}")  # fmt: skip
     if args.shard and not distributed:
         cli.fail("--shard", "shards the models across torchrun's processes: launch with "
                  "torchrun --nproc-per-node=N (N ≥ 2), or drop --shard")  # fmt: skip

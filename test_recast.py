@@ -960,6 +960,9 @@ BAD_INPUT = [
     (["--lambda", "0.4,0.2,0.2,0.2", "--model", "/no/such/model"], "--model"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--resume"], "--resume"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--log", "mlflow"], "--log"),
+    (["--lambda", "0.4,0.2,0.2,0.2", "--prompts-file", "p.txt"], "--prompts-file"),  # no --model
+    (["--lambda", "0.4,0.2,0.2,0.2", "--lora-rank", "4"], "--lora-rank"),  # the toy world's
+    (["--lambda", "0.4,0.2,0.2,0.2", "--grad-checkpointing"], "--grad-checkpointing"),
     (["--lambda", "0.4,0.2,0.2,0.2", "--device", "gpu"], "--device"),  # not a torch device
     (["--lambda", "0.4,0.2,0.2,0.2", "--device", "meta"], "--device"),  # not cpu or cuda
     (["--lambda", "0.4,0.2,0.2,0.2", "--device", "cuda:99"], "--device"),  # no such GPU here
