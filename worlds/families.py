@@ -20,6 +20,9 @@ def family_of(model: str):
 
     source = hub.locate(model, "--model", "model_index.json")  # fails fast offline
     name = DiffusionPipeline.load_config(source).get("_class_name")
+    if name is None:
+        raise BadInput("--model", f"{model}'s model_index.json names no pipeline class "
+                       "(_class_name): is it a diffusers pipeline's folder?")  # fmt: skip
     if name not in PARTS:
         raise BadInput("--model", f"{model} holds a {name}, which is not supported: supported "
                        f"pipelines are {', '.join(PARTS)} (docs/models.md)")  # fmt: skip

@@ -278,6 +278,9 @@ def test_bad_input_exits_2_naming_the_flag(tiny_dirs, prompts_file, reward_env, 
     err = recast_exit(capsys, *base, "--model", str(other))
     assert "error: --model" in err and "StableDiffusionXLPipeline" in err
     assert all(name in err for name in families.PARTS)
+    (other / "model_index.json").write_text("{}")  # names no class
+    err = recast_exit(capsys, *base, "--model", str(other))
+    assert "error: --model" in err and "names no pipeline class" in err, err
     err = recast_exit(capsys, *base, "--model", tiny_dirs("flux-dev"))
     assert "error: --guidance" in err and "--guidance 3.5" in err
     err = recast_exit(capsys, *base, "--model", tiny_dirs("flux-schnell"), "--guidance", "3.5")
