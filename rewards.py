@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 import reward_models.hpsv3_model
 import reward_models.imagereward_model
-from reward_models import CHUNK, affine_chain, load_ocr_reader
+from reward_models import CHUNK, affine_chain, load_ocr_reader, read_weights
 from reward_models.vlm import VLM, VLM_FETCH, VLM_IMAGE_TOKEN, VLM_MODELS, to_pil
 from worlds import hub
 from worlds import toyworld as tw
@@ -422,13 +422,9 @@ def aesthetic_head(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """LAION's aesthetic predictor as (weight, bias) pairs, applied in order: the improved
     predictor's MLP (keys layers.{0,2,4,6,7}.weight/bias; its ReLUs are commented out in LAION's
     code and dropout is off at inference, so it is a chain of affine maps) or a linear probe
-    (keys weight, bias). From .safetensors, or LAION's own .pth (a plain state dict)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    (keys weight, bias). From .safetensors, or LAION's own .pth (a plain state dict); another or
+    a damaged file is a ValueError naming RECAST_AESTHETIC_HEAD (`read_weights`)."""
+    state = read_weights(path, "reward 'aesthetic' (RECAST_AESTHETIC_HEAD)")
     return affine_chain(state, f"{path}: not an aesthetic head")
 
 
@@ -489,8 +485,11 @@ def hpsv2(device: torch.device) -> RewardFn:
         source = hub.locate("xswu/HPSv2", "RECAST_HPSV2", name)
         local = os.path.isdir(source)  # offline: the cached folder
         checkpoint = os.path.join(source, name) if local else hf_hub_download(source, name)
-    state = torch.load(checkpoint, map_location=device, weights_only=True)["state_dict"]
-    model.load_state_dict(state)
+    state = read_weights(checkpoint, "reward 'hpsv2' (RECAST_HPSV2)", device)
+    if "state_dict" not in state:
+        raise ValueError(f"reward 'hpsv2': {checkpoint} (RECAST_HPSV2) has no 'state_dict': not "
+                         "an HPS v2 checkpoint (HPS_v2.1_compressed.pt of xswu/HPSv2)")  # fmt: skip
+    model.load_state_dict(state["state_dict"])
     model.eval().requires_grad_(False)
     return hpsv2_scorer(model, preprocess, get_tokenizer("ViT-H-14"), device)
 

@@ -6,6 +6,7 @@ test_recast.py."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 
@@ -328,6 +329,40 @@ def test_imagereward_without_its_files_names_its_variable(tmp_path, monkeypatch)
     monkeypatch.setenv("RECAST_IMAGEREWARD", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"RECAST_IMAGEREWARD\) has no ImageReward.pt"):
         rewards.get("imagereward", CPU)
+    # a damaged or other file in its place: a ValueError naming the variable (exit 2 in a run),
+    # not torch.load's KeyError, EOFError or RuntimeError
+    modelzoo.tiny_imagereward(tmp_path)
+    whole = (tmp_path / "ImageReward.pt").read_bytes()
+    for damaged in (b"", b"not a checkpoint", whole[: len(whole) // 2]):
+        (tmp_path / "ImageReward.pt").write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"RECAST_IMAGEREWARD\): .*ImageReward.pt is not a"):
+            rewards.get("imagereward", CPU)
+
+
+def test_a_wrong_weights_file_is_a_value_error_naming_its_variable(tmp_path):
+    """reward_models.read_weights, as the aesthetic head, ImageReward, HPSv2 and HPSv3 read their
+    files: torch and safetensors raise KeyError, EOFError, RuntimeError, UnpicklingError or
+    SafetensorError for a damaged or wrong file, none of which a run reports as bad input; each is
+    now a ValueError naming the variable and the file, a missing file a FileNotFoundError."""
+    from safetensors.torch import save_file
+
+    who = "reward 'aesthetic' (RECAST_AESTHETIC_HEAD)"
+    head = {"weight": torch.ones(1, 4), "bias": torch.zeros(1)}
+    torch.save(head, tmp_path / "head.pth")
+    save_file(head, tmp_path / "head.safetensors")
+    for name in ("head.pth", "head.safetensors"):
+        assert [w.shape for w, _ in rewards.aesthetic_head(str(tmp_path / name))] == [(1, 4)]
+        whole = (tmp_path / name).read_bytes()
+        for damaged in (b"", b"not weights at all", whole[: len(whole) // 2]):
+            (tmp_path / name).write_bytes(damaged)
+            with pytest.raises(ValueError, match=rf"{re.escape(who)}: .*{name} is not a"):
+                rewards.aesthetic_head(str(tmp_path / name))
+    torch.save([head["weight"]], tmp_path / "list.pth")  # data, but not a dict of weights
+    with pytest.raises(ValueError, match=r"list.pth holds a list, not a dict"):
+        rewards.aesthetic_head(str(tmp_path / "list.pth"))
+    for missing in (tmp_path / "nope.pth", tmp_path):
+        with pytest.raises(FileNotFoundError, match=rf"{re.escape(who)}: .* is not a file here"):
+            rewards.aesthetic_head(str(missing))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +442,19 @@ def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
     (tmp_path / "collator.py").write_text("INSTRUCTION = 'no slot'\n")
     monkeypatch.setenv("RECAST_HPSV3_PROMPT", str(tmp_path / "collator.py"))
     with pytest.raises(ValueError, match="RECAST_HPSV3_PROMPT"):
+        rewards.get("hpsv3", CPU)
+    # the right base and prompt, a wrong checkpoint: damaged, or another model's
+    from safetensors.torch import save_file
+
+    for k, v in modelzoo.tiny_hpsv3(tmp_path / "hpsv3").items():
+        monkeypatch.setenv(k, v)
+    checkpoint = tmp_path / "wrong.safetensors"
+    monkeypatch.setenv("RECAST_HPSV3", str(checkpoint))
+    checkpoint.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"\(RECAST_HPSV3\): .*wrong.safetensors is not a"):
+        rewards.get("hpsv3", CPU)
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, checkpoint)
+    with pytest.raises(ValueError, match=r"\(RECAST_HPSV3\) has no rm_head.*not HPSv3's"):
         rewards.get("hpsv3", CPU)
 
 

@@ -31,6 +31,35 @@ def affine_chain(state: dict[str, torch.Tensor], bad: str) -> list[tuple]:
     return [(state[p + "weight"].float(), state[p + "bias"].float()) for p in order]
 
 
+def read_weights(path: str, who: str, map_location="cpu", safetensors: bool | None = None) -> dict:
+    """The tensors saved in the file `path`: a safetensors file (`safetensors`; unset, by the name
+    .safetensors), else a torch.save file read as data only (weights_only). `who` (the reward and
+    the variable that named the file) starts the error a wrong file gets: a FileNotFoundError if
+    there is no such file, a ValueError naming it if it is damaged or of another kind, where torch
+    and safetensors raise KeyError, EOFError, RuntimeError, pickle's or their own errors, which a
+    run would not report as bad input (harness.setup: exit 2 naming the flag)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{who}: {path!r} is not a file here")
+    if safetensors is None:
+        safetensors = path.endswith(".safetensors")
+    try:
+        if safetensors:
+            from safetensors.torch import load_file
+
+            state = load_file(path, device=str(map_location))
+        else:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # whatever reading it raised: the file is not what was asked for
+        kind = "safetensors" if safetensors else "torch.save (data only)"
+        raise ValueError(
+            f"{who}: {path} is not a {kind} file of weights, or is damaged "
+            f"({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{who}: {path} holds a {type(state).__name__}, not a dict of weights")
+    return state
+
+
 OCR_READERS = {"easyocr": ocr_reader.load_reader, "paddle": paddle_reader.load_reader}
 OCR_READER = "easyocr"  # the default: docs/your_reward.md#two-readers says why
 

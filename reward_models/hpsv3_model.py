@@ -12,7 +12,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from reward_models import CHUNK
+from reward_models import CHUNK, read_weights
 from reward_models.vlm import VLM, to_pil
 
 HPSV3_FETCH = (
@@ -90,7 +90,6 @@ def load(device: torch.device):
     Qwen2-VL-7B-Instruct folder (its configuration, tokenizer and image processor); the question
     from the hpsv3 package's source (`hpsv3_prompt`). Loaded into transformers' Qwen2-VL
     class (`hpsv3_keys`)."""
-    from safetensors.torch import load_file
     from transformers import Qwen2VLForConditionalGeneration
 
     checkpoint, base = os.environ.get("RECAST_HPSV3"), os.environ.get("RECAST_HPSV3_BASE")
@@ -110,7 +109,13 @@ def load(device: torch.device):
                          "a Qwen2-VL-7B-Instruct")  # fmt: skip
     vlm.tokenizer.add_special_tokens({"additional_special_tokens": [HPSV3_TOKEN]})
     vlm.image_kwargs = {"size": {"shortest_edge": HPSV3_PIXELS, "longest_edge": HPSV3_PIXELS}}
-    state, head = hpsv3_keys(load_file(checkpoint))
+    weights = read_weights(checkpoint, "reward 'hpsv3' (RECAST_HPSV3)", safetensors=True)
+    state, head = hpsv3_keys(weights)
+    if not head or "model.language_model.embed_tokens.weight" not in state:
+        raise ValueError(
+            f"reward 'hpsv3': {checkpoint} (RECAST_HPSV3) has no rm_head.* and model.embed_tokens "
+            f"weights: not HPSv3's checkpoint ({HPSV3_FETCH})"
+        )
     rows = state["model.language_model.embed_tokens.weight"].shape[0]
     if rows != len(vlm.tokenizer):
         raise ValueError(

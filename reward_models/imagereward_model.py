@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from reward_models import CHUNK, affine_chain
+from reward_models import CHUNK, affine_chain, read_weights
 from reward_models.vlm import to_pil
 
 IMAGEREWARD_FETCH = (
@@ -81,8 +81,8 @@ def load(device: torch.device):
                 f"reward 'imagereward': {folder!r} (RECAST_IMAGEREWARD) has no {name}; make it "
                 f"with {IMAGEREWARD_FETCH}"
             )
-    state = torch.load(
-        os.path.join(folder, "ImageReward.pt"), map_location="cpu", weights_only=True
+    state = read_weights(
+        os.path.join(folder, "ImageReward.pt"), "reward 'imagereward' (RECAST_IMAGEREWARD)"
     )
     parts = imagereward_keys(state)
     if not parts["vision"] or not parts["text"] or not parts["head"]:
