@@ -465,15 +465,37 @@ def aesthetic_scorer(model, processor, head: list[tuple[torch.Tensor, torch.Tens
     return score
 
 
+def _hpsv2_open_clip():
+    """The hpsv2 package's open_clip (create_model_and_transforms, get_tokenizer), or an
+    ImportError with what to install: torchvision, which it imports, where torchvision is missing
+    or built for another torch (its import then raises a RuntimeError, "operator torchvision::nms
+    does not exist"); else hpsv2x, where hpsv2 is missing or is PyPI's hpsv2 1.2.0 (whose import
+    fails on the tokenizer vocabulary its wheel lacks: a FileNotFoundError)."""
+    try:
+        from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
+    except Exception as e:  # an import that fails may raise anything: each says what to install
+        if "torchvision" in f"{getattr(e, 'name', '')} {e}":
+            fix = (
+                f"hpsv2 imports torchvision: install the torchvision release made for this torch "
+                f"({torch.__version__}; github.com/pytorch/pytorch/wiki/PyTorch-Versions pairs "
+                "them)"
+            )
+        else:
+            fix = "pip install hpsv2x (hpsv2 as released, with its tokenizer's vocabulary)"
+        raise ImportError(
+            f"reward 'hpsv2' needs its package, which did not import ({type(e).__name__}: {e}): "
+            f"{fix}"
+        ) from e
+    return create_model_and_transforms, get_tokenizer
+
+
 @reward("hpsv2", LOADERS)
 def hpsv2(device: torch.device) -> RewardFn:
     """HPS v2.1 (Wu et al., 2023): cos(image, prompt) of an open_clip ViT-H-14 fine-tuned on human
     preferences (≈ 0.25-0.35), built as the hpsv2 package's img_score.py builds it (its
-    preprocessing: longest side to 224, padded square). Needs `pip install hpsv2x`."""
-    try:
-        from hpsv2.src.open_clip import create_model_and_transforms, get_tokenizer
-    except ImportError as e:
-        raise ImportError("reward 'hpsv2' needs its package: pip install hpsv2x") from e
+    preprocessing: longest side to 224, padded square). Needs `pip install hpsv2x` and the
+    torchvision made for the installed torch (`_hpsv2_open_clip`)."""
+    create_model_and_transforms, get_tokenizer = _hpsv2_open_clip()
     from huggingface_hub import hf_hub_download
 
     model, _, preprocess = create_model_and_transforms(  # no CLIP weights: the checkpoint has all

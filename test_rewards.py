@@ -459,6 +459,40 @@ def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# hpsv2: what to install when its package does not import
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "failure, fix",
+    [  # hpsv2's open_clip as it fails: torchvision missing, or built for another torch, or
+        # PyPI's hpsv2 1.2.0 (its wheel lacks the tokenizer's vocabulary, read at import)
+        ("import torchvision", "torchvision release made for this torch"),
+        ("raise RuntimeError('operator torchvision::nms does not exist')", "torchvision release"),
+        ("open('bpe_simple_vocab_16e6.txt.gz')", "pip install hpsv2x"),
+    ],
+)
+def test_hpsv2_that_does_not_import_says_what_to_install(tmp_path, monkeypatch, failure, fix):
+    """Each failure named pip install hpsv2x, though hpsv2x was installed (torchvision: a missing
+    module) or raised past the run's checks (a RuntimeError, a bare FileNotFoundError)."""
+    import sys
+
+    package = tmp_path / "hpsv2" / "src" / "open_clip"
+    package.mkdir(parents=True)
+    for folder in (package.parent.parent, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(failure + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "hpsv2" or m.startswith("hpsv2.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # not installed, wherever it is
+    with pytest.raises(ImportError, match="reward 'hpsv2' needs its package") as error:
+        rewards.get("hpsv2", CPU)
+    assert fix in str(error.value)
+    assert ("pip install hpsv2x" in str(error.value)) == ("hpsv2x" in fix)
+    for name in [m for m in sys.modules if m == "hpsv2" or m.startswith("hpsv2.")]:
+        del sys.modules[name]  # the stand-in's; monkeypatch puts back any real ones
+
+
+# ---------------------------------------------------------------------------------------------
 # Parity with the released code (benchmarks/reward_parity.py)
 # ---------------------------------------------------------------------------------------------
 def test_reward_parity_without_its_environments_says_how_to_make_them(tmp_path, capsys):
