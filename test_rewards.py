@@ -265,15 +265,16 @@ def test_paper2_is_four_rewards_not_all_on_clip():
 def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, monkeypatch):
     """The tiny checkpoint (BLIP's own parameter names) loads into transformers' BLIP classes, and
     the score is ImageReward's: its preprocessing → ViT → text encoder over the prompt (35
-    tokens, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
+    tokens, a longer one cut, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
     the modules the checkpoint was made from."""
     from transformers import BertTokenizer
 
     folder = modelzoo.tiny_imagereward(tmp_path / "ir", seed=3)
     monkeypatch.setenv("RECAST_IMAGEREWARD", folder)
     fn = rewards.get("imagereward", CPU)
-    x = (torch.randint(256, (4, 3, 48, 40), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
-    prompts = ["a red cat", "two boats at dawn", "x", "a tree on a hill by the sea, at night"]
+    x = (torch.randint(256, (5, 3, 48, 40), generator=torch.Generator().manual_seed(0)) / 127.5) - 1
+    long = " ".join("abcdefghijklmnopqrstuvwxyz" * 2)  # 52 tokens: ImageReward reads 35 of them
+    prompts = ["a red cat", "two boats at dawn", "x", "a tree on a hill by the sea, at night", long]
     got = rewards.score("imagereward", fn, x, prompts)
     vision, text, head = modelzoo.tiny_imagereward_parts(seed=3)
     tokenizer = BertTokenizer.from_pretrained(folder)
