@@ -1551,14 +1551,17 @@ def test_preset_expands_to_the_papers_first_setting_in_order():
 def test_clip_rewards_match_processor_and_model_forward(with_rewards):
     """PickScore = logit_scale·cos and CLIPScore = 2.5·max(cos, 0), against transformers' own
     preprocessing (PIL) and CLIPModel.forward, on images off the 8-bit grid and of a size the
-    processor resizes and crops (the released scorers read a saved 8-bit image)."""
+    processor resizes and crops (the released scorers read a saved 8-bit image), and a prompt
+    longer than CLIP's context, cut to its 77 tokens as the released scorers cut it."""
     from transformers import AutoProcessor, CLIPModel
 
     clip, cpu = with_rewards["RECAST_PICKSCORE"], torch.device("cpu")
     model, processor = CLIPModel.from_pretrained(clip).eval(), AutoProcessor.from_pretrained(clip)
     images = torch.rand(6, 3, 45, 37, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    prompts = SD3_PROMPTS[:6]
-    inputs = processor(text=prompts, images=to_pil(images), return_tensors="pt", padding=True)
+    prompts = [*SD3_PROMPTS[:5], " and ".join(SD3_PROMPTS)]  # the last past CLIP's 77 tokens: cut
+    assert len(processor.tokenizer(prompts[-1]).input_ids) > 77
+    inputs = processor(text=prompts, images=to_pil(images), return_tensors="pt", padding=True,
+                       truncation=True, max_length=77)  # fmt: skip
     with torch.no_grad():
         logits = model(**inputs).logits_per_image.diagonal()  # logit_scale · cos
     cos = logits / model.logit_scale.exp()
