@@ -597,7 +597,11 @@ def ocr_scorer(reader) -> RewardFn:
     return score
 
 
-# A local vision-language model (reward_models/vlm.py): the `vqa` reward's, `hpsv3`'s backbone
+# A local vision-language model (reward_models/vlm.py): the `vqa` reward's, `hpsv3`'s backbone.
+# t2v_metrics' question for Qwen2-VL and Qwen2.5-VL, word for word: question_template's default in
+# t2v_metrics/models/vqascore_models/qwen2vl_model.py, commit 74c7208 (v3.1, 2026-06-04). The
+# PyPI wheel t2v_metrics 3.0 asks 'Does this image show "{}"?' and git's 2.1 adds 'Answer the
+# question with Yes or No'; v3.1 returns to the paper's question, with the answer's capital Yes.
 VQA_QUESTION = 'Does this figure show "{prompt}"? Please answer Yes or No.'
 
 

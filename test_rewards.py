@@ -265,8 +265,8 @@ def test_paper2_is_four_rewards_not_all_on_clip():
 def test_imagereward_loads_blips_names_and_scores_as_imagereward_does(tmp_path, monkeypatch):
     """The tiny checkpoint (BLIP's own parameter names) loads into transformers' BLIP classes, and
     the score is ImageReward's: its preprocessing → ViT → text encoder over the prompt (35
-    tokens, a longer one cut, [CLS] state) attending to them → MLP → (r − mean) / std, computed here by hand with
-    the modules the checkpoint was made from."""
+    tokens, a longer one cut, [CLS] state) attending to them → MLP → (r − mean) / std, computed
+    here by hand with the modules the checkpoint was made from."""
     from transformers import BertTokenizer
 
     folder = modelzoo.tiny_imagereward(tmp_path / "ir", seed=3)

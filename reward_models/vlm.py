@@ -135,9 +135,3 @@ class VLM:
         mm_token_type_ids = (tokens["input_ids"] == self.image_token_id).int()
         inputs = {**tokens, **pixels, "mm_token_type_ids": mm_token_type_ids}
         return {k: torch.as_tensor(v).to(self.device) for k, v in inputs.items()}
-
-
-# t2v_metrics' question for Qwen2-VL and Qwen2.5-VL, word for word: question_template's default in
-# t2v_metrics/models/vqascore_models/qwen2vl_model.py, commit 74c7208 (v3.1, 2026-06-04). The
-# PyPI wheel t2v_metrics 3.0 asks 'Does this image show "{}"?' and git's 2.1 adds 'Answer the
-# question with Yes or No'; v3.1 returns to the paper's question, with the answer's capital Yes.
