@@ -53,10 +53,11 @@ def _spread(step_scores: torch.Tensor, lam: torch.Tensor, a, w_of) -> dict[str, 
 
 
 def report(step_scores, D, gains, lam, names: list[str], a, source: str, w_of) -> dict:
-    """profile.json's content (without its "seconds"): D (K, T+1) and gains (K, T) of the step
-    scores (K, T+1, n), the profiles, W and their bootstrap spread, for the flags `a` (recast.py's
-    Args: group_size, steps, alpha, adv_clip_max, tau, floor, gain_shift, seed); `w_of(gains, λ)`
-    gives (profiles, W) in float64 (recast.gain_profiles and recast.recast_weights)."""
+    """profile.json's content (without "normalize", "share" and "seconds", which recast.py adds
+    and `lines` reads): D (K, T+1) and gains (K, T) of the step scores (K, T+1, n), the
+    profiles, W and their bootstrap spread, for the flags `a` (recast.py's Args: group_size,
+    steps, alpha, adv_clip_max, tau, floor, gain_shift, seed); `w_of(gains, λ)` gives (profiles,
+    W) in float64 (recast.gain_profiles and recast.recast_weights)."""
     T, G, n = a.steps, a.group_size, step_scores.shape[-1]
     D, gains = D.double().cpu(), gains.double().cpu()
     profiles, W = w_of(gains, lam)
