@@ -262,11 +262,22 @@ def reward_image_processor(size: int):
 REWARD_CONFIGS = {"ocr": "easyocr", "vqa": "vqa_qwen25vl7b", "imagereward": "imagereward_blip",
                   "hpsv3": "hpsv3_qwen2vl7b"}  # fmt: skip
 REWARD_KINDS = ("clip", "ocr", "blip", "vlm")  # what a reward's configuration file may build
+REWARD_KEYS = {  # what each kind's models and inputs read from "config" (reward_models,
+    # vlm_inputs, memory_plan.model_reward); vision_config.x: a key of "vision_config"
+    "clip": ("text_config", "vision_config", "vision_config.image_size", "projection_dim"),
+    "ocr": ("recogniser_width", "line_height", "boxes_per_image", "box_width"),
+    "blip": ("text_config", "vision_config"),
+    "vlm": ("text_config", "vision_config", "vision_config.patch_size",
+            "vision_config.spatial_merge_size", "vision_config.temporal_patch_size",
+            "image_token_id", "vision_start_token_id", "vision_end_token_id", "min_pixels",
+            "max_pixels", "text_tokens"),
+}  # fmt: skip
 
 
 def reward_config(path: str | os.PathLike) -> dict:
     """A reward's configuration file as benchmarks/configs holds them: {"kind": one of
-    REWARD_KINDS, "config": its sizes, ...}; ValueError naming what is wrong."""
+    REWARD_KINDS, "config": its sizes (REWARD_KEYS[kind] at least), ...}; ValueError naming what
+    is wrong (a missing key was a KeyError once the plan had begun)."""
     try:
         spec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -275,6 +286,15 @@ def reward_config(path: str | os.PathLike) -> dict:
         raise ValueError(f'{path}: needs "kind" (one of {", ".join(REWARD_KINDS)}) and "config"')
     if not isinstance(spec.get("config"), dict):
         raise ValueError(f'{path}: needs "config", the model\'s sizes')
+    missing = []
+    for key in REWARD_KEYS[spec["kind"]]:
+        outer, _, inner = key.partition(".")
+        part = spec["config"].get(outer)
+        if part is None or inner and not (isinstance(part, dict) and inner in part):
+            missing.append(key)
+    if missing:
+        raise ValueError(f'{path}: its "config" lacks {", ".join(missing)}, which a '
+                         f'"{spec["kind"]}" reward\'s models are built from')  # fmt: skip
     return spec
 
 

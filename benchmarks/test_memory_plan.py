@@ -486,3 +486,30 @@ def test_a_reward_the_planner_cannot_build_exits_2_saying_how_to_configure_it(
         assert "myreward" in err and "--reward-config myreward=FILE.json" in err, err
     own, _ = mp.parse(good)
     assert own.specs["myreward"]["kind"] == "blip"
+
+
+@pytest.mark.parametrize("kind, config, lacks", [
+    ("ocr", {"recogniser_width": 256}, "line_height, boxes_per_image, box_width"),
+    ("vlm", {"vision_config": {"patch_size": 14}}, "text_config, vision_config.spatial_merge_size"),
+    ("clip", {"text_config": {}, "vision_config": {}, "projection_dim": 8},
+     "vision_config.image_size"),
+    ("blip", {"vision_config": None, "text_config": {}}, "vision_config"),
+])  # fmt: skip
+def test_a_reward_config_without_the_sizes_its_kind_needs_exits_2(
+    kind, config, lacks, tmp_path, monkeypatch, capsys
+):
+    """A configuration file with its kind but not the sizes its models are built from was
+    accepted, and the plan stopped on a KeyError after it had begun; now exit 2 naming
+    --reward-config and the missing keys. Every shipped configuration has them."""
+    import rewards
+
+    for name, file in modelzoo.REWARD_CONFIGS.items():
+        assert modelzoo.reward_config(modelzoo.CONFIGS / f"{file}.json")["kind"], name
+    monkeypatch.setitem(rewards.LOADERS, "myreward", lambda device: None)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"kind": kind, "config": config}))
+    with pytest.raises(SystemExit) as e:
+        mp.parse(["--rewards", "myreward", "--lambda", "1", "--reward-config", f"myreward={path}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --reward-config:" in err and lacks in err, err
+    assert len(err.strip().splitlines()) == 1
