@@ -527,6 +527,19 @@ def test_nonfinite_reward_names_reward_and_prompt():
         rewards.score("broken", broken, tw.render(P), P)
 
 
+def test_a_reward_returning_other_than_one_score_an_image_names_itself():
+    """A reward's (B,) or (B, 1) scores are float32 (B,); a batch mean (one number: it would
+    broadcast to every image) or a score short is a RewardError naming the reward and counts."""
+    images = tw.render(P[:3])
+    column = rewards.score("column", lambda im, p: torch.arange(3.0).double()[:, None], images,
+                           P[:3])  # fmt: skip
+    assert column.dtype == torch.float32 and column.tolist() == [0.0, 1.0, 2.0]
+    for name, fn, n in (("mean", lambda im, p: rewards.color(im, p).mean(), 1),
+                        ("short", lambda im, p: rewards.color(im, p)[:2], 2)):  # fmt: skip
+        with pytest.raises(rewards.RewardError, match=rf"'{name}' returned {n} scores for 3 "):
+            rewards.score(name, fn, images, P[:3])
+
+
 # ---------------------------------------------------------------------------------------------
 # The shipped base model
 # ---------------------------------------------------------------------------------------------
