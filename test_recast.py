@@ -528,8 +528,8 @@ def test_nonfinite_reward_names_reward_and_prompt():
 
 
 def test_a_reward_returning_other_than_one_score_an_image_names_itself():
-    """A reward's (B,) or (B, 1) scores are float32 (B,); a batch mean (one number: it would
-    broadcast to every image) or a score short is a RewardError naming the reward and counts."""
+    """A reward's (B,) or (B, 1) scores are float32 (B,); a batch mean (one number) or a score
+    short is a RewardError naming the reward and the counts."""
     images = tw.render(P[:3])
     column = rewards.score("column", lambda im, p: torch.arange(3.0).double()[:, None], images,
                            P[:3])  # fmt: skip
