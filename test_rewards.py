@@ -444,6 +444,12 @@ def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("RECAST_HPSV3_PROMPT", str(tmp_path / "collator.py"))
     with pytest.raises(ValueError, match="RECAST_HPSV3_PROMPT"):
         rewards.get("hpsv3", CPU)
+    (tmp_path / "collator.ini").write_text("[hpsv3]\nprompt = Rating: <|Reward|>\n")  # not Python
+    (tmp_path / "collator.bin").write_bytes(b"\xff\xfe\x00")  # not text
+    for name in ("collator.ini", "collator.bin", "nowhere.py"):  # SyntaxError, Unicode, missing
+        monkeypatch.setenv("RECAST_HPSV3_PROMPT", str(tmp_path / name))
+        with pytest.raises(ValueError, match=rf"{name} \(RECAST_HPSV3_PROMPT\) is not a readable"):
+            rewards.get("hpsv3", CPU)
     # the right base and prompt, a wrong checkpoint: damaged, or another model's
     from safetensors.torch import save_file
 

@@ -32,6 +32,7 @@ def hpsv3_prompt() -> tuple[str, str]:
     import importlib.util
 
     path = os.environ.get("RECAST_HPSV3_PROMPT")
+    source = "RECAST_HPSV3_PROMPT" if path else "the hpsv3 package's"
     if not path:
         spec = importlib.util.find_spec("hpsv3")
         if spec is None or not spec.submodule_search_locations:
@@ -41,8 +42,14 @@ def hpsv3_prompt() -> tuple[str, str]:
                 "RECAST_HPSV3_PROMPT to a copy of its hpsv3/dataset/data_collator_qwen.py"
             )
         path = os.path.join(spec.submodule_search_locations[0], "dataset", "data_collator_qwen.py")
-    with open(path) as f:
-        tree = ast.parse(f.read())
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError) as e:  # missing, unreadable, or not Python
+        raise ValueError(
+            f"reward 'hpsv3': {path} ({source}) is not a readable Python file "
+            f"({type(e).__name__}: {e}); it should be hpsv3's dataset/data_collator_qwen.py"
+        ) from None
     strings = {
         target.id: node.value.value
         for node in tree.body
@@ -53,7 +60,7 @@ def hpsv3_prompt() -> tuple[str, str]:
     instruction, closing = strings.get("INSTRUCTION", ""), strings.get("prompt_with_special_token")
     if "{text_prompt}" not in instruction or HPSV3_TOKEN not in (closing or ""):
         raise ValueError(
-            f"reward 'hpsv3': {path} (RECAST_HPSV3_PROMPT) has no INSTRUCTION with {{text_prompt}} "
+            f"reward 'hpsv3': {path} ({source}) has no INSTRUCTION with {{text_prompt}} "
             f"and prompt_with_special_token with {HPSV3_TOKEN} (hpsv3's data_collator_qwen.py)"
         )
     return instruction, closing
