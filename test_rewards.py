@@ -338,6 +338,16 @@ def test_imagereward_without_its_files_names_its_variable(tmp_path, monkeypatch)
         (tmp_path / "ImageReward.pt").write_bytes(damaged)
         with pytest.raises(ValueError, match=r"RECAST_IMAGEREWARD\): .*ImageReward.pt is not a"):
             rewards.get("imagereward", CPU)
+    # a med_config.json of another model (sizes, keys) or none at all: not a KeyError or the
+    # RuntimeError of load_state_dict
+    modelzoo.tiny_imagereward(tmp_path)
+    med = json.loads((tmp_path / "med_config.json").read_text())
+    wider = {**med, "hidden_size": 2 * med["hidden_size"]}
+    no_act = {k: v for k, v in med.items() if k != "hidden_act"}
+    for wrong in (json.dumps(wider), json.dumps(no_act), "BertConfig"):
+        (tmp_path / "med_config.json").write_text(wrong)
+        with pytest.raises(ValueError, match=r"\(RECAST_IMAGEREWARD\): ImageReward.pt and med_co"):
+            rewards.get("imagereward", CPU)
 
 
 def test_a_wrong_weights_file_is_a_value_error_naming_its_variable(tmp_path):

@@ -57,38 +57,13 @@ def imagereward_keys(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torc
     return {"vision": vision, "text": text, "head": head}
 
 
-def load(device: torch.device):
-    """ImageReward (Xu et al., 2023): BLIP's text encoder reads the prompt while attending to the
-    image (ViT-L/16, 224 px), an MLP maps its [CLS] state to a score, standardised by the
-    training set's mean and std. RECAST_IMAGEREWARD: a folder with the released
-    ImageReward.pt and med_config.json, and BERT's uncased tokenizer (vocab.txt), loaded into
-    transformers' BLIP classes (`imagereward_keys`)."""
-    import json
-
-    from transformers import BertTokenizer, BlipTextConfig, BlipVisionConfig
+def imagereward_models(parts: dict, med: dict) -> tuple:
+    """transformers' BlipVisionModel (its sizes read off the weights: BLIP's ViT, 64-wide heads)
+    and BlipTextModel (med_config.json's sizes) of `imagereward_keys`' parts, loaded."""
+    from transformers import BlipTextConfig, BlipVisionConfig
     from transformers.models.blip.modeling_blip import BlipVisionModel
     from transformers.models.blip.modeling_blip_text import BlipTextModel
 
-    folder = os.environ.get("RECAST_IMAGEREWARD")
-    if not folder:
-        raise FileNotFoundError(
-            f"reward 'imagereward' needs its model: set RECAST_IMAGEREWARD to a folder made by "
-            f"{IMAGEREWARD_FETCH}"
-        )
-    for name in ("ImageReward.pt", "med_config.json", "vocab.txt"):
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise FileNotFoundError(
-                f"reward 'imagereward': {folder!r} (RECAST_IMAGEREWARD) has no {name}; make it "
-                f"with {IMAGEREWARD_FETCH}"
-            )
-    state = read_weights(
-        os.path.join(folder, "ImageReward.pt"), "reward 'imagereward' (RECAST_IMAGEREWARD)"
-    )
-    parts = imagereward_keys(state)
-    if not parts["vision"] or not parts["text"] or not parts["head"]:
-        raise ValueError(f"{folder}/ImageReward.pt: not ImageReward's (blip.*, mlp.* weights)")
-    with open(os.path.join(folder, "med_config.json")) as f:
-        med = json.load(f)
     patches = parts["vision"]["embeddings.patch_embedding.weight"]  # (width, 3, p, p)
     width, patch = patches.shape[0], patches.shape[-1]
     side = round((parts["vision"]["embeddings.position_embedding"].shape[1] - 1) ** 0.5) * patch
@@ -114,6 +89,47 @@ def load(device: torch.device):
     )  # fmt: skip
     vision.load_state_dict(parts["vision"])
     text.load_state_dict(parts["text"])
+    return vision, text
+
+
+def load(device: torch.device):
+    """ImageReward (Xu et al., 2023): BLIP's text encoder reads the prompt while attending to the
+    image (ViT-L/16, 224 px), an MLP maps its [CLS] state to a score, standardised by the
+    training set's mean and std. RECAST_IMAGEREWARD: a folder with the released
+    ImageReward.pt and med_config.json, and BERT's uncased tokenizer (vocab.txt), loaded into
+    transformers' BLIP classes (`imagereward_keys`)."""
+    import json
+
+    from transformers import BertTokenizer
+
+    folder = os.environ.get("RECAST_IMAGEREWARD")
+    if not folder:
+        raise FileNotFoundError(
+            f"reward 'imagereward' needs its model: set RECAST_IMAGEREWARD to a folder made by "
+            f"{IMAGEREWARD_FETCH}"
+        )
+    for name in ("ImageReward.pt", "med_config.json", "vocab.txt"):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise FileNotFoundError(
+                f"reward 'imagereward': {folder!r} (RECAST_IMAGEREWARD) has no {name}; make it "
+                f"with {IMAGEREWARD_FETCH}"
+            )
+    state = read_weights(
+        os.path.join(folder, "ImageReward.pt"), "reward 'imagereward' (RECAST_IMAGEREWARD)"
+    )
+    parts = imagereward_keys(state)
+    if not parts["vision"] or not parts["text"] or not parts["head"]:
+        raise ValueError(f"{folder}/ImageReward.pt: not ImageReward's (blip.*, mlp.* weights)")
+    try:  # a med_config.json or ImageReward.pt of another model: KeyError, RuntimeError
+        with open(os.path.join(folder, "med_config.json")) as f:
+            med = json.load(f)
+        vision, text = imagereward_models(parts, med)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(
+            f"reward 'imagereward': {folder} (RECAST_IMAGEREWARD): ImageReward.pt and "
+            f"med_config.json are not ImageReward's ({type(e).__name__}: {str(e)[:300]}); make "
+            f"the folder with {IMAGEREWARD_FETCH}"
+        ) from None
     head = affine_chain(parts["head"], f"{folder}/ImageReward.pt: no MLP head")
     tokenizer = BertTokenizer.from_pretrained(folder, local_files_only=True)
     tokenizer.add_special_tokens({"bos_token": "[DEC]", "additional_special_tokens": ["[ENC]"]})
