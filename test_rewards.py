@@ -473,6 +473,13 @@ def test_hpsv3_without_its_files_names_its_variables(tmp_path, monkeypatch):
     save_file({"lm_head.weight": torch.zeros(2, 2)}, checkpoint)
     with pytest.raises(ValueError, match=r"\(RECAST_HPSV3\) has no rm_head.*not HPSv3's"):
         rewards.get("hpsv3", CPU)
+    # the checkpoint on a base of another width (Qwen2-VL-2B's tokenizer is the 7B's)
+    monkeypatch.setenv("RECAST_HPSV3", str(tmp_path / "hpsv3" / "HPSv3.safetensors"))
+    config = json.loads((tmp_path / "hpsv3" / "base" / "config.json").read_text())
+    config["text_config"]["hidden_size"] *= 2
+    (tmp_path / "hpsv3" / "base" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"32-wide; .*\(RECAST_HPSV3_BASE\) is 64-wide"):
+        rewards.get("hpsv3", CPU)
 
 
 # ---------------------------------------------------------------------------------------------

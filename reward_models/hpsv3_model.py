@@ -131,6 +131,13 @@ def load(device: torch.device):
             "Qwen2-VL-7B-Instruct"
         )
     config = vlm.config
+    width = state["model.language_model.embed_tokens.weight"].shape[1]
+    if width != config.text_config.hidden_size:  # Qwen2-VL-2B has the 7B's tokenizer
+        raise ValueError(
+            f"reward 'hpsv3': {checkpoint} is {width}-wide; the model in {base!r} "
+            f"(RECAST_HPSV3_BASE) is {config.text_config.hidden_size}-wide: it must be "
+            "Qwen2-VL-7B-Instruct"
+        )
     config.text_config.vocab_size = rows
     vlm.model = Qwen2VLForConditionalGeneration.from_pretrained(
         None, config=config, state_dict=state, dtype=vlm.dtype
