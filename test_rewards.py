@@ -76,7 +76,13 @@ def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"english_g2.pth has md5 {got}, not the 5864788e"):
         rewards.get("ocr", CPU)
     (copy / "craft_mlt_25k.pth").unlink()
-    with pytest.raises(FileNotFoundError, match="RECAST_OCR.*craft_mlt_25k.pth"):
+    with pytest.raises(FileNotFoundError, match=r"\(RECAST_OCR\) has no craft_mlt_25k.pth"):
+        rewards.get("ocr", CPU)
+    import easyocr_en_models  # the package's folder, RECAST_OCR unset: named as the package's
+
+    monkeypatch.delenv("RECAST_OCR")
+    monkeypatch.setattr(easyocr_en_models, "model_dir", lambda: str(copy))
+    with pytest.raises(FileNotFoundError, match=r"offline-models package's\) has no craft_mlt"):
         rewards.get("ocr", CPU)
 
 

