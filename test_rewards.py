@@ -155,6 +155,17 @@ def test_paddle_weights_are_the_files_rapidocr_publishes(tmp_path):
         paddle_reader.load_reader(CPU, str(tmp_path))
 
 
+def test_paddle_reader_without_onnxruntime_fails_at_load_saying_what_to_install(monkeypatch):
+    """rapidocr loads its models at the first read: without onnxruntime the reward loaded and the
+    run stopped on an ImportError traceback at its first scoring; now loading it says so."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # not installed
+    monkeypatch.setenv("RECAST_OCR_READER", "paddle")
+    with pytest.raises(ImportError, match=r"paddle runs .*onnxruntime.*pip install rapidocr=="):
+        rewards.get("ocr", CPU)
+
+
 def test_ocr_reader_is_chosen_by_recast_ocr_reader(monkeypatch):
     """Unset, the default reader (OCR_READER); `paddle`, PaddleOCR's; another name is a
     ValueError listing the readers (recast.py exits 2 with it: test_recast.py)."""

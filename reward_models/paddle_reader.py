@@ -82,8 +82,16 @@ class PaddleReader:
 
 def load_reader(device: torch.device, folder: str | None = None) -> PaddleReader:
     """The reader on the detector and recogniser of `folder` (default: the rapidocr package's),
-    sha256-checked; `device` is not used (onnxruntime runs on the CPU)."""
+    sha256-checked; `device` is not used (onnxruntime runs on the CPU). An ImportError naming the
+    fix if onnxruntime is missing, which rapidocr would only find at the first read."""
     paths = paddle_weights(folder or paddle_folder())
+    try:  # rapidocr loads its models at the first read: without onnxruntime, mid-run
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        raise ImportError(
+            f"RECAST_OCR_READER=paddle runs PaddleOCR's models on onnxruntime, which does not "
+            f"import here: {PADDLE_FETCH}"
+        ) from None
     from rapidocr import RapidOCR
 
     engine = RapidOCR(
