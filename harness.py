@@ -230,6 +230,33 @@ def check_rewards(args, names: list[str], judges: list[str]) -> None:
                      f"({', '.join(real)})")  # fmt: skip
 
 
+def check_prompts(args, names: list[str], judges: list[str]) -> None:
+    """A reward that reads something from every prompt (rewards.PROMPT_CHECKS: `ocr`, the text in
+    double quotes) checks the prompts it will score before any model is loaded: a trained
+    reward both files', a judge the held-out ones. One it cannot score exits 2 naming the file's
+    flag; it stopped the first scoring (exit 1) once the models had loaded."""
+    from worlds import diffusersworld
+
+    train, held = diffusersworld.split_prompts(args.prompts_file, args.eval_prompts_file)
+    held_from = ("--eval-prompts-file", args.eval_prompts_file) if args.eval_prompts_file else (
+        "--prompts-file", args.prompts_file)  # fmt: skip
+    for name, check in rewards.PROMPT_CHECKS.items():
+        sets = [("--prompts-file", args.prompts_file, train)] if name in names else []
+        if name in names or name in judges:
+            sets.append((*held_from, held))
+        for flag, path, prompts in sets:
+            bad = []
+            for prompt in prompts:
+                try:
+                    check(prompt)
+                except rewards.RewardError as e:
+                    bad.append(str(e))
+            if bad:
+                which = "training" if prompts is train else "held-out"
+                cli.fail(flag, f"{bad[0]} ({len(bad)} of the {len(prompts)} {which} prompts of "
+                         f"{path})")  # fmt: skip
+
+
 def scoring_defaults(args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
@@ -314,6 +341,7 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
             diffusersworld.check(args)  # --prompts-file, --eval-prompts-file
         except diffusersworld.BadInput as e:
             cli.fail(e.flag, str(e))
+        check_prompts(args, names, judges)  # what a reward reads from each prompt (ocr's quote)
         _, held_out = diffusersworld.split_prompts(args.prompts_file, args.eval_prompts_file)
         check_held_out(args, len(held_out), world_size)  # before minutes of loading
     if args.resume and not args.profile and rank0:

@@ -554,6 +554,11 @@ def quoted(prompt: str) -> str:
     return parts[1]
 
 
+# What a reward needs of every prompt, checked on the prompts files before any model is loaded
+# (harness.check_prompts): a function of one prompt that raises a RewardError saying what is missing
+PROMPT_CHECKS: dict[str, Callable[[str], object]] = {"ocr": quoted}
+
+
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance: the fewest insertions, deletions and substitutions from a to b."""
     row = list(range(len(b) + 1))  # distances from a[:0] to each prefix of b

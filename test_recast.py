@@ -1754,7 +1754,7 @@ def recast_exit(capsys, *flags) -> str:
 
 
 def test_sd3_flags_are_checked_before_anything_is_written(
-    sd3_dir, prompts_file, with_rewards, tmp_path, capsys, monkeypatch
+    sd3_dir, prompts_file, quoted_prompts_file, with_rewards, tmp_path, capsys, monkeypatch
 ):
     out = str(tmp_path / "run")
     base = ["--model", sd3_dir, "--out", out, "--resolution", "32", "--device", "cpu"]
@@ -1790,6 +1790,15 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     one = [*base, "--lambda", "1", "--prompts-file", prompts_file]
     err = recast_exit(capsys, *one, "--rewards", "ocrscore")  # the rewards beyond CLIP are listed
     assert all(n in err for n in ("ocr, vqa, imagereward, hpsv3", "paper2", "paper1-judges"))
+    # ocr scores the text a prompt quotes: prompts without one exit 2 before a model is loaded
+    err = recast_exit(capsys, *one, "--rewards", "ocr")
+    assert "error: --prompts-file: reward 'ocr' scores the text" in err
+    assert f"{SD3_PROMPTS[0]!r} has none" in err and f"of {prompts_file})" in err
+    quoted = [*base, "--lambda", "1", "--prompts-file", quoted_prompts_file]
+    err = recast_exit(capsys, *quoted, "--rewards", "pickscore", "--judges", "ocr",
+                      "--eval-prompts-file", prompts_file)  # fmt: skip
+    assert "error: --eval-prompts-file: reward 'ocr'" in err and "held-out prompts" in err
+    one = quoted  # the checks below: ocr's prompts quote their text
     monkeypatch.setenv("RECAST_OCR_READER", "tesseract")  # the readers are listed
     err = recast_exit(capsys, *one, "--rewards", "ocr")
     assert "error: --rewards" in err and "RECAST_OCR_READER='tesseract'" in err
