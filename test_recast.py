@@ -1775,6 +1775,10 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     assert "error: --prompts-file" in recast_exit(capsys, *sd3, "--prompts-file", str(empty))
     err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--eval-prompts-file", "nope")
     assert "error: --eval-prompts-file" in err
+    latin1 = tmp_path / "latin1.txt"  # a prompt saved in Latin-1: a UnicodeDecodeError traceback
+    latin1.write_bytes('a café sign that says "OPEN"\na red cat\n'.encode("latin-1"))
+    err = recast_exit(capsys, *sd3, "--prompts-file", str(latin1))
+    assert f"error: --prompts-file: {latin1} is not UTF-8 text" in err and err.count("\n") == 1
     elsewhere = tmp_path / "not_a_pipeline"
     elsewhere.mkdir()
     err = recast_exit(capsys, *sd3, "--prompts-file", prompts_file, "--model", str(elsewhere))

@@ -92,8 +92,10 @@ def check(args) -> None:
             raise BadInput(flag, f"{path} is not a file")
         try:
             prompts = read_prompts(path)
-        except (OSError, UnicodeDecodeError) as e:  # unreadable, or another encoding
-            raise BadInput(flag, f"{path} cannot be read as UTF-8 text ({e})") from e
+        except UnicodeDecodeError as e:  # a prompt in another encoding (Latin-1's é): not a crash
+            raise BadInput(flag, f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
+        except OSError as e:  # unreadable (permissions, a folder's entry gone)
+            raise BadInput(flag, f"{path} cannot be read ({e})") from None
         if not prompts:
             raise BadInput(flag, f"{path} holds no prompts (one per line, blank lines skipped)")
     train, _ = split_prompts(args.prompts_file, args.eval_prompts_file)
