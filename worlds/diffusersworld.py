@@ -370,8 +370,10 @@ class DiffusersWorld:
                 if name not in self._skeletons:
                     encoder.to(device)
         self.pipe = pipe
-        for note in family.advice(configs):
-            print(f"note: {family.NAME}: {note}")
+        one = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if one:  # the family's notes, said once and not once a rank
+            for note in family.advice(configs):
+                print(f"note: {family.NAME}: {note}")
 
         transformer = pipe.transformer
         self.latent_shape = family.latent_shape(pipe, args.resolution)

@@ -588,3 +588,15 @@ def test_real_size_configs_give_the_published_sizes():
         assert 3 < f["transformer_fwd@1024"] / f["transformer_fwd@512"] < 5, family
         assert 1 < f["transformer_bwd@512"] / f["transformer_fwd@512"] < 1.5, family
         assert f["vae_decode@1024"] > f["vae_decode@512"] > 0 and f["text"] > 0, family
+
+
+def test_the_familys_advice_is_said_once_not_once_a_rank(tiny_dirs, prompts_file, monkeypatch,
+                                                         capsys):  # fmt: skip
+    """FLUX.1-schnell's note (a weak starting point for RL) was printed by every rank: 8 lines on
+    8 GPUs. Rank 0 says it; a rank other than 0 (a process group faked around the load) does not."""
+    world_of("flux-schnell", tiny_dirs("flux-schnell"), prompts_file)
+    assert capsys.readouterr().out.count("note: FLUX.1: a timestep-distilled") == 1
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    world_of("flux-schnell", tiny_dirs("flux-schnell"), prompts_file)
+    assert "note: FLUX.1" not in capsys.readouterr().out
