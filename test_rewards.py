@@ -264,6 +264,12 @@ def test_vqa_without_its_model_names_its_variable(tiny_vlm, tmp_path, monkeypatc
     monkeypatch.setenv("RECAST_VQA", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"RECAST_VQA.*config\.json"):
         rewards.get("vqa", CPU)
+    torn = shutil.copytree(tiny_vlm, tmp_path / "torn")  # a chat_template.json of another kind
+    for text in ('{"template": "{{ messages }}"}', '{"chat_template": 3}', '{"chat_'):
+        (torn / "chat_template.json").write_text(text)
+        monkeypatch.setenv("RECAST_VQA", str(torn))
+        with pytest.raises(ValueError, match=r"RECAST_VQA.*chat_template"):  # not a KeyError
+            rewards.get("vqa", CPU)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,8 +93,17 @@ class VLM:
 
         processor_template = os.path.join(path, "chat_template.json")
         if os.path.isfile(processor_template):
-            with open(processor_template) as f:
-                return json.load(f)["chat_template"]
+            try:
+                with open(processor_template, encoding="utf-8") as f:
+                    template = json.load(f)["chat_template"]
+            except (OSError, ValueError, KeyError, TypeError) as e:  # torn, or another file
+                raise ValueError(
+                    f"{self.who}: {processor_template} is not a processor's chat template (JSON "
+                    f"with a chat_template string: {type(e).__name__}: {e})"
+                ) from None
+            if isinstance(template, str):
+                return template
+            raise ValueError(f"{self.who}: {processor_template}'s chat_template is not a string")
         if self.tokenizer.chat_template:
             return self.tokenizer.chat_template
         raise ValueError(
