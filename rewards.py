@@ -511,7 +511,11 @@ def hpsv2(device: torch.device) -> RewardFn:
     if "state_dict" not in state:
         raise ValueError(f"reward 'hpsv2': {checkpoint} (RECAST_HPSV2) has no 'state_dict': not "
                          "an HPS v2 checkpoint (HPS_v2.1_compressed.pt of xswu/HPSv2)")  # fmt: skip
-    model.load_state_dict(state["state_dict"])
+    try:  # another model's checkpoint: names or shapes that differ
+        model.load_state_dict(state["state_dict"])
+    except RuntimeError as e:
+        raise ValueError(f"reward 'hpsv2': {checkpoint} (RECAST_HPSV2) is not HPS v2.1's ViT-H-14 "
+                         f"checkpoint ({str(e)[:300]})") from None  # fmt: skip
     model.eval().requires_grad_(False)
     return hpsv2_scorer(model, preprocess, get_tokenizer("ViT-H-14"), device)
 

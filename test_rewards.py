@@ -539,6 +539,35 @@ def test_hpsv2_that_does_not_import_says_what_to_install(tmp_path, monkeypatch, 
         del sys.modules[name]  # the stand-in's; monkeypatch puts back any real ones
 
 
+def test_hpsv2_with_another_models_checkpoint_names_its_variable(tmp_path, monkeypatch):
+    """A checkpoint whose weights do not fit the model (another model's: load_state_dict's
+    RuntimeError) went past the run's checks as a traceback: a ValueError naming RECAST_HPSV2. A
+    stand-in hpsv2 package builds a small model in place of ViT-H-14."""
+    import sys
+
+    package = tmp_path / "hpsv2" / "src" / "open_clip"
+    package.mkdir(parents=True)
+    for folder in (package.parent.parent, package.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(
+        "import torch\n"
+        "def create_model_and_transforms(*a, **k):\n"
+        "    return torch.nn.Linear(4, 2), None, None\n"
+        "def get_tokenizer(name):\n"
+        "    return None\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "hpsv2" or m.startswith("hpsv2.")]:
+        monkeypatch.delitem(sys.modules, name)
+    other = tmp_path / "other.pt"
+    torch.save({"state_dict": {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}}, other)
+    monkeypatch.setenv("RECAST_HPSV2", str(other))
+    with pytest.raises(ValueError, match=r"reward 'hpsv2': .*other\.pt \(RECAST_HPSV2\) is not"):
+        rewards.get("hpsv2", CPU)
+    for name in [m for m in sys.modules if m == "hpsv2" or m.startswith("hpsv2.")]:
+        del sys.modules[name]  # the stand-in's; monkeypatch puts back any real ones
+
+
 # ---------------------------------------------------------------------------------------------
 # Parity with the released code (benchmarks/reward_parity.py)
 # ---------------------------------------------------------------------------------------------
