@@ -61,7 +61,8 @@ Launches run under `torch.cuda.device(v_theta.device)`, on that device's current
 
 Value checks
 ------------
-Shapes, dtypes, devices and the float arguments are always checked. The values of t_index (in
+Shapes (D, the elements per row, from 1 to 2^31 - 1 included), dtypes, devices and the float
+arguments are always checked. The values of t_index (in
 [0, T)) are checked only where that costs no synchronisation: for CPU tensors, or on CUDA when
 CHECK_VALUES is True (set on this module, a debugging switch: each call then blocks the host until
 the GPU has caught up), and never while torch.compile traces or on meta and fake tensors, which
@@ -93,9 +94,9 @@ fake tensors. Hence:
   N × 1.25 KiB) are smaller than on a GPU.
 An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
 host time to a forward + backward (measured on a 2-core CPU). Needs torch >= 2.4
-(torch.library.custom_op). Inductor sees each operator as one opaque call: torch.library.triton_op
-would let it see the launches, but under TRITON_INTERPRET its fake implementation would run the
-interpreter on tensors without data.
+(torch.library.custom_op) and triton >= 3.4 (triton.knobs, read at import). Inductor sees each
+operator as one opaque call: torch.library.triton_op would let it see the launches, but under
+TRITON_INTERPRET its fake implementation would run the interpreter on tensors without data.
 
 Dtypes and layouts
 ------------------
@@ -104,7 +105,8 @@ viewed as (N, D) with reshape(N, -1), which copies only when no such view exists
 tensors); a view whose last dimension is strided (e.g. a transposed tensor) is made contiguous. Such
 copies are made in the forward and again in the backward: the inputs, not the copies, are saved.
 Rows may be strided (e.g. x[::2]): no copy. All arithmetic is fp32. t: (N,) float, t_index: (N,)
-integer, r: (N, K) float, W: (K, T) float, any strides. The loss is returned as an fp32 scalar.
+integer of any width (uint8 included: an index, never a mask), r: (N, K) float, W: (K, T) float,
+any strides. The loss is returned as an fp32 scalar.
 reference_nft_loss computes in vθ's dtype (t, r and W are cast to it), i.e. it is the plain-PyTorch
 loss at the inputs' precision, and returns a scalar of that dtype.
 
@@ -125,8 +127,8 @@ FakeTensorMode and meta tensors were checked on CPU (torch 2.13) and on one H200
 
 Limits
 ------
-D from 1 to 2^31 - 1, and N·D beyond 2^31 (int64 row offsets). With v_ref=None, kl_coef is
-ignored.
+D from 1 to 2^31 - 1 (checked: the column offsets within a row are int32), and N·D beyond 2^31
+(int64 row offsets). With v_ref=None, kl_coef is ignored.
 """
 
 import math
@@ -171,6 +173,9 @@ def _check_inputs(
     if v_theta.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"v_theta must be float32, bfloat16 or float16, got {v_theta.dtype}")
     n, shape, dtype, device = v_theta.shape[0], v_theta.shape, v_theta.dtype, v_theta.device
+    d = math.prod(shape[1:])  # the kernels' column offsets within a row are int32
+    if not 1 <= d < 2**31:
+        raise ValueError(f"v_theta must have 1 to 2^31 - 1 elements per image, got {d}")
     for name, x in (("v_old", v_old), ("x0", x0), ("noise", noise), ("v_ref", v_ref)):
         if x is None and name == "v_ref":
             continue
@@ -216,7 +221,8 @@ def _reference_loss(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_
     n, n_steps, dtype = v_theta.shape[0], W.shape[1], v_theta.dtype
     v_theta = v_theta.reshape(n, -1)
     v_old, x0, noise = (x.detach().reshape(n, -1) for x in (v_old, x0, noise))
-    w_cols = W.detach().to(dtype)[:, t_index].T  # (N, K): each image's column of W
+    # .long(): a uint8 t_index would index as a mask, and int8/int16 do not index at all.
+    w_cols = W.detach().to(dtype)[:, t_index.long()].T  # (N, K): each image's column of W
     c = w_cols.sum(1)  # (N,)
     a = torch.minimum((w_cols * r.detach().to(dtype)).sum(1).clamp_min(0), c)  # (N,): r̄ ∈ [0, 1]
     t = t.detach().to(dtype)[:, None]  # (N, 1)

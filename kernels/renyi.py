@@ -32,6 +32,8 @@ Choices beyond DESIGN.md
   sample itself (Euler's last step) and no advantage is clipped, since then r̂ = r.
 
 Gradient: none (the gains are statistics of the rollout; nothing is differentiated through them).
+Scores that require a gradient are read detached: D and the gains never require one, on either
+path (the custom operator below has no backward to offer).
 What uses them: recast.py turns the gains into the weight matrix W of DESIGN §5 (gain_profiles,
 recast_weights: a few lines of PyTorch on K·T numbers, no kernel).
 
@@ -63,7 +65,8 @@ implementation makes the same two outputs and launches nothing. torch.compile(fu
 keeps it as one node of its graph (no graph break; D and the gains equal eager's bit for bit), and
 FakeTensorMode and meta tensors run the fake implementation: D (K, T+1) and gains (K, T), fp32,
 no launch, no value read. Meta tensors take this path even where the kernel cannot run (no GPU, no
-TRITON_INTERPRET). Needs torch >= 2.4 (torch.library.custom_op).
+TRITON_INTERPRET). Needs torch >= 2.4 (torch.library.custom_op) and triton >= 3.4 (triton.knobs,
+read at import).
 
 Precision on a GPU
 ------------------
@@ -80,7 +83,11 @@ tensors were checked on CPU (torch 2.13) and on one H200 (torch 2.11).
 Limits
 ------
 group_size ≤ 4096 (a group is one tile row). α within about 1e-3 of 1 (but not 1) loses precision
-to cancellation in fp32: use α = 1 for KL.
+to cancellation in fp32: use α = 1 for KL. The kernel reads the scores in fp32 and squares their
+deviations from the group mean: a float64 score beyond fp32's range reads as inf (D NaN, although
+the finiteness check passed), and a group whose deviations exceed about 1e19 overflows its spread
+to inf, so that it reads as uninformative (D_group = 0) where the float64 reference does not.
+Scores in any reward's units are far from either.
 """
 
 import math
@@ -391,6 +398,7 @@ def renyi_gains(
     """
     alpha, adv_clip_max = float(alpha), float(adv_clip_max)  # the op's types
     _check_inputs(scores, group_size, alpha, adv_clip_max)
+    scores = scores.detach()  # as the reference: outputs without a backward that would fail
     if not (scores.is_cuda or scores.is_meta or _INTERPRET):
         return _reference_gains(scores, group_size, alpha, adv_clip_max)
     return _renyi_gains_op(scores, group_size, alpha, adv_clip_max)

@@ -170,6 +170,30 @@ def test_nft_loss_multi_tile_chunks():
     within_rule(nft.nft_loss, inputs, beta=1.3, kl_coef=0.1)
 
 
+def test_nft_loss_several_row_tiles():
+    """Launch 2 walks the rows in tiles of BLOCK_N = 1024 / max(BLOCK_C, BLOCK_K): with K = 300
+    rewards (BLOCK_K = 512) five rows are three tiles, the last one ragged. (On a GPU, training
+    batches of more than 1024 pairs take this path; the other tests' batches fit one tile.)"""
+    n = 5
+    inputs = make_nft_inputs(n, (3, 5), n_rewards=300, n_steps=4, seed=17)
+    n_chunks = nft._launch_shape(n, 15, nft._num_sms(DEVICE))[2]
+    assert nft._rows_tile(n_chunks, 300)[0] == 2
+    within_rule(nft.nft_loss, inputs, beta=0.7, kl_coef=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
+@pytest.mark.parametrize("fn_name", ["nft_loss", "reference_nft_loss"])
+def test_nft_loss_t_index_of_any_integer_dtype(fn_name, dtype):
+    """t_index is an index whatever its integer dtype: the same loss as with int64. N = T, so
+    that a uint8 t_index read as a boolean mask over W's columns would give a loss, not an error."""
+    fn = getattr(nft, fn_name)
+    inputs = make_nft_inputs(4, (5,), n_steps=4, seed=18)
+    inputs["t_index"] = torch.tensor([3, 1, 2, 1], device=DEVICE)
+    want = fn(**inputs, kl_coef=0.1)
+    got = fn(**{**inputs, "t_index": inputs["t_index"].to(dtype)}, kl_coef=0.1)
+    assert torch.equal(got, want)
+
+
 def strided_layouts(x: torch.Tensor, layout: int) -> torch.Tensor:
     """x (N, C, H, W) in one of four layouts: transposed storage (unit stride along N: the wrapper
     copies it), every other row of a larger tensor (no copy), channels-last (copied), and one row
@@ -323,9 +347,12 @@ def test_reference_loss_matches_formula():
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
+BIG_NAMES = ("v_theta", "v_old", "x0", "noise", "v_ref")
+
 # (argument the error must name, how to break the inputs)
 BAD_NFT_INPUTS = [
     ("v_theta", lambda i: {"v_theta": i["v_theta"].double()}),
+    ("v_theta", lambda i: {k: i[k][:, :0] for k in BIG_NAMES}),  # D = 0
     ("v_old", lambda i: {"v_old": i["v_old"][:, :-1]}),
     ("x0", lambda i: {"x0": i["x0"].half()}),
     ("noise", lambda i: {"noise": i["noise"].to("meta")}),
@@ -338,6 +365,7 @@ BAD_NFT_INPUTS = [
     ("W", lambda i: {"W": i["W"][:-1]}),  # K differs from r's
     ("r", lambda i: {"r": i["r"][:, 0]}),
     ("beta", lambda i: {"beta": 0.0}),
+    ("adv_clip_max", lambda i: {"adv_clip_max": 0.0}),
     ("kl_coef", lambda i: {"kl_coef": -1.0}),
 ]
 
@@ -351,6 +379,15 @@ def test_nft_loss_bad_inputs(fn_name, name, breaks, monkeypatch):
     bad = {**inputs, **breaks(inputs)}
     with pytest.raises(ValueError, match=error_names(name)):
         getattr(nft, fn_name)(**bad)
+
+
+def test_nft_loss_refuses_rows_of_2_31_elements():
+    """D = 2^31 (meta tensors: no memory) is past the kernels' int32 offsets within a row: a
+    ValueError, not an illegal memory access."""
+    inputs = {k: v.to("meta") for k, v in make_nft_inputs(2, (1,)).items()}
+    inputs.update({k: torch.empty(2, 2**31, device="meta") for k in BIG_NAMES})
+    with pytest.raises(ValueError, match=error_names("v_theta")):
+        nft.nft_loss(**inputs)
 
 
 # ---------------------------------------------------------------------------------------------

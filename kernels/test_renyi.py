@@ -184,6 +184,25 @@ def test_renyi_gains_are_design_section_4_written_out(fn_name, adv_clip_max, alp
                                atol=atol_gains)  # fmt: skip
 
 
+def test_renyi_gains_runs_the_kernel(monkeypatch):
+    """Guards the tests above against comparing the reference with itself: in a process where
+    the interpreter is off (this file copied without the repository's conftest.py, and pytest run
+    without TRITON_INTERPRET=1), renyi_gains on CPU tensors is the reference."""
+    assert renyi._INTERPRET or DEVICE.type == "cuda", "run with TRITON_INTERPRET=1 on a CPU"
+    monkeypatch.setattr(renyi, "_reference_gains", no_reference)
+    D, gains = renyi.renyi_gains(make_scores(2, 3, 2, 3, seed=9), 3)
+    assert D.shape == (2, 4) and gains.shape == (2, 3)
+
+
+@pytest.mark.parametrize("fn_name", ["renyi_gains", "reference_renyi_gains"])
+def test_renyi_gains_never_require_grad(fn_name):
+    """Scores that require a gradient (a differentiable reward scored outside no_grad): D and
+    the gains are statistics, detached on both paths; the kernel's operator has no backward."""
+    scores = make_scores(2, 3, 2, 3, seed=9).requires_grad_()
+    D, gains = getattr(renyi, fn_name)(scores, 3)
+    assert not D.requires_grad and not gains.requires_grad
+
+
 def test_renyi_gains_is_one_launch(monkeypatch):
     launches = []
     kernel = renyi._renyi_gains_kernel
@@ -203,8 +222,9 @@ def test_renyi_gains_strided_and_double_scores():
     assert not scores.is_contiguous()
     D, gains = renyi.renyi_gains(scores, 4)
     D_ref, gains_ref = renyi.reference_renyi_gains(scores, 4)
-    atol_D, _ = tolerance(scores, 4, 2.0, 5.0)
+    atol_D, atol_gains = tolerance(scores, 4, 2.0, 5.0)
     torch.testing.assert_close(D, D_ref, rtol=0, atol=atol_D)
+    torch.testing.assert_close(gains, gains_ref, rtol=0, atol=atol_gains)
     # every fourth image of a wider tensor: a stride along N
     wide = torch.zeros(2, 5, 24 * 4, device=DEVICE, dtype=torch.float64)
     wide[..., ::4] = scores
