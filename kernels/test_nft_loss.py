@@ -191,7 +191,8 @@ def test_nft_loss_t_index_of_any_integer_dtype(fn_name, dtype):
     inputs["t_index"] = torch.tensor([3, 1, 2, 1], device=DEVICE)
     want = fn(**inputs, kl_coef=0.1)
     got = fn(**{**inputs, "t_index": inputs["t_index"].to(dtype)}, kl_coef=0.1)
-    assert torch.equal(got, want)
+    # Equal here; on a GPU another pointer type is another compiled kernel (16 ulp, as elsewhere).
+    torch.testing.assert_close(got, want, rtol=16 * EPS32, atol=0)
 
 
 def strided_layouts(x: torch.Tensor, layout: int) -> torch.Tensor:
