@@ -29,9 +29,8 @@ from worlds import toyworld  # noqa: E402
 
 def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    world = toyworld.ToyWorld(
-        DEVICE
-    )  # worlds/toy_model/: policy θ, old θ_old (samples), frozen ref
+    # worlds/toy_model/: the policy θ, the old θ_old (samples) and the frozen reference
+    world = toyworld.ToyWorld(DEVICE)
     reward_fns = {n: rewards.get(n, DEVICE) for n in world.reward_names}  # K = 4 rewards
     lam = torch.tensor(lam, dtype=torch.float64)  # (K,) budgets
     params = list(world.trainable.parameters())
