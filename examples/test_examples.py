@@ -1,6 +1,7 @@
 """The examples run, and what they print holds: examples/recast_in_your_loop.py's one epoch, and
 the Python blocks of docs/use_in_your_trainer.md and docs/your_reward.md as a reader copies them
-(run as written on tiny stand-ins for the reader's own tensors and model).
+(run as written on tiny stand-ins for the reader's own tensors and model), and the functions that
+guide has a trainer copy from recast.py, run with torch and math alone.
 
 In the pytest process conftest.py has switched the Triton interpreter on, so nft_loss and
 renyi_gains run their Triton kernels here (on CPU tensors), as the example does from the shell.
@@ -82,6 +83,34 @@ def test_the_trainer_guide_blocks_run_as_written():
     assert torch.allclose(W.sum(1), lam, atol=1e-6)  # rows: λ
     assert torch.allclose(W.sum(0), torch.full((T,), 1 / T), atol=1e-6)  # columns: 1/T
     assert r.shape == (K, N) and r.dtype == torch.float32
+
+
+# What docs/use_in_your_trainer.md §4 tells a trainer to copy from recast.py, besides the kernels.
+COPIED_FROM_RECAST = (
+    "group_centred", "group_optimality", "joint_optimality", "shift_gains", "gain_profiles",
+    "recast_weights",
+)  # fmt: skip
+
+
+def test_the_functions_a_trainer_copies_need_only_torch_and_math():
+    """The functions the trainer guide lists, their source alone in a namespace holding only torch
+    and math (a trainer's file): they run, and give what recast.py's give."""
+    import inspect
+
+    import recast
+
+    ns = {"torch": torch, "math": math}
+    for name in COPIED_FROM_RECAST:
+        exec(inspect.getsource(getattr(recast, name)), ns)
+    gen = torch.Generator().manual_seed(1)
+    final, lam = torch.randn(3, 8, generator=gen), torch.tensor([0.5, 0.3, 0.2])
+    gains = torch.rand(3, 5, generator=gen)
+    for name, args in (
+        ("group_optimality", (final, 4)),
+        ("joint_optimality", (final, lam, 4)),
+        ("recast_weights", (gains, lam, 1.0, 0.1, 1)),
+    ):
+        assert torch.equal(ns[name](*args), getattr(recast, name)(*args)), name
 
 
 def test_the_reward_guide_block_registers_two_rewards_that_score():
