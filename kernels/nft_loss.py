@@ -92,10 +92,10 @@ fake tensors. Hence:
   as MemTracker, sees an operator's outputs, not the temporaries it frees within the call.) On
   meta, as in the interpreter, rows are chunked as on an 8-SM GPU: the partial sums (at most
   N × 1.25 KiB) are smaller than on a GPU.
-An eager call runs the same code without the operators' dispatch, which would add about 90 µs of
-host time to a forward + backward (measured on a 2-core CPU). Needs Python >= 3.10 (the
-operators' `X | None` annotations), torch >= 2.4 (torch.library.custom_op) and triton >= 3.4
-(triton.knobs, read at import). Inductor sees each operator as one opaque call:
+An eager call runs the same code without the operators' dispatch, which would add host time to
+every forward + backward (the call is host-bound on a GPU: docs/kernels.md). Needs Python >=
+3.10 (the operators' `X | None` annotations), torch >= 2.4 (torch.library.custom_op) and triton
+>= 3.4 (triton.knobs, read at import). Inductor sees each operator as one opaque call:
 torch.library.triton_op would let it see the launches, but under TRITON_INTERPRET its fake
 implementation would run the interpreter on tensors without data.
 
