@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -39,10 +40,12 @@ class WriteFailed(RuntimeError):
 
 
 def _checkpoints(root: str) -> list[str]:
-    """The finished checkpoint folders under ckpt/, oldest first."""
+    """The finished checkpoint folders under ckpt/, oldest first: by their epoch's number, not
+    their names' order (epoch_10000 comes after epoch_9999)."""
     if not os.path.isdir(root):
         return []
-    return sorted(d for d in os.listdir(root) if d.startswith("epoch_") and not d.endswith(".tmp"))
+    names = [d for d in os.listdir(root) if re.fullmatch(r"epoch_\d+", d)]
+    return sorted(names, key=lambda d: int(d.removeprefix("epoch_")))
 
 
 def newest(run_dir: str) -> str:

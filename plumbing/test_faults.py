@@ -231,6 +231,18 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0001", "epoch_0003"]
 
 
+def test_checkpoints_past_epoch_9999_are_ordered_by_their_number(tmp_path):
+    """epoch_10000 sorts before epoch_9999 by name: ordered so, the prune deleted the checkpoint
+    just written and --resume took epoch 9999's. The newest two by number are kept and loaded."""
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (9998, 9999, 10000):
+        state = {"opt_steps": epoch, "gains_ema": None}
+        checkpoints.save(run, epoch, _tensors(epoch), optim, state)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_10000", "epoch_9999"]
+    assert checkpoints.load_latest(run)[2]["epoch"] == 10000
+    assert checkpoints.newest(run) == os.path.join(run, "ckpt", "epoch_10000")
+
+
 def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     tmp_path, monkeypatch, capsys
 ):
