@@ -67,17 +67,19 @@ def resume_command(out: str) -> str:
     return f"on each node: {launch} {tail}"
 
 
-def write_failed(e: OSError, what: str, run_dir: str) -> WriteFailed:
-    """WriteFailed naming what could not be written, the folder, its disk and the OS error."""
+def write_failed(e: OSError, what: str, run_dir: str, then: str | None = None) -> WriteFailed:
+    """WriteFailed naming what could not be written, the folder, its disk and the OS error, and
+    `then`, what to do once space is freed (default: the newest checkpoint is kept; --resume)."""
     try:
         free = f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free now"
     except OSError:
         free = "free space unknown"
     cause = {errno.ENOSPC: "the disk holding it is full", errno.EDQUOT: "its disk quota is used up"}
+    then = then or (f"the newest checkpoint ({newest(run_dir)}) is kept: free space, then "
+                    f"continue: {resume_command(run_dir)}")  # fmt: skip
     return WriteFailed(
         f"could not write {what} in {run_dir}: {cause.get(e.errno, 'the OS refused the write')} "
-        f"([Errno {e.errno}] {e.strerror or e}; {free}); the newest checkpoint "
-        f"({newest(run_dir)}) is kept: free space, then continue: {resume_command(run_dir)}"
+        f"([Errno {e.errno}] {e.strerror or e}; {free}); {then}"
     )
 
 
@@ -118,15 +120,16 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """`obj` as JSON, written beside `path` and renamed onto it: the old file or the new, whole."""
+def write_json_atomic(path: str, obj, then: str | None = None) -> None:
+    """`obj` as JSON, written beside `path` and renamed onto it: the old file or the new, whole.
+    A failed write raises WriteFailed (`then`: as in write_failed)."""
     tmp = path + ".tmp"
     try:
         _write_synced(tmp, json.dumps(obj, indent=1).encode())
         os.replace(tmp, path)
     except OSError as e:
         _remove(tmp)
-        raise write_failed(e, os.path.basename(path), os.path.dirname(path) or ".") from e
+        raise write_failed(e, os.path.basename(path), os.path.dirname(path) or ".", then) from e
 
 
 def write_whole(path: str, obj) -> None:

@@ -203,7 +203,13 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup
-        write_json_atomic(os.path.join(args.out, "args.json"), {**asdict(args), **(resolved or {})})
+        # a new run's args.json not written (a full disk): the folder holds no run, and the
+        # same command, not --resume, starts it once space is freed (cli.holds_no_run)
+        again = None if args.resume else (
+            "nothing of the run is written yet: free space, then start it again with the same "
+            "command")  # fmt: skip
+        saved = {**asdict(args), **(resolved or {})}
+        write_json_atomic(os.path.join(args.out, "args.json"), saved, again)
         rewrite_metrics(args.out, history)
         keep_environment(args.out, log)
     return start, opt_steps, gains_ema, history

@@ -316,6 +316,28 @@ def test_a_full_disk_while_writing_a_json_file_keeps_the_old_one_whole(
     assert os.listdir(tmp_path) == ["profile.json"]  # the half-written temporary file is removed
 
 
+def test_a_full_disk_while_a_new_run_writes_its_args_json_says_start_it_again(
+    tmp_path, monkeypatch
+):
+    """A new run's args.json refused: the folder holds no run (its lock, no args.json), so the
+    line says to start it again with the same command, not --resume (which would find no run),
+    and that command is let into the folder."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    monkeypatch.setattr(rundir, "_locks", {})
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=str(tmp_path / "run"))
+    full_disk(monkeypatch, "args.json.tmp", 10)
+    with pytest.raises(checkpoints.WriteFailed) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    os.close(rundir._locks.pop(os.path.realpath(args.out)))
+    assert "could not write args.json in" in str(e.value) and "--resume" not in str(e.value)
+    assert "start it again with the same command" in str(e.value)
+    assert os.listdir(args.out) == [".lock"]
+    cli.check(args, 1, harness.RESUMABLE)  # no exit: the same command goes ahead
+
+
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
     """The scripts' result files (diagnostic.json, anatomy.json, decode_memory.py's --convs) come
     at the end of minutes of work: an error part-way through json.dump (or a stop) must leave
