@@ -184,12 +184,19 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
     optimizer, RNG, gain EMA). Returns (first epoch to run, optimizer steps, gain EMA, metrics
     history); rank 0 locks the folder and (re)writes args.json (the flags, and `resolved`: what
     the run resolved at its start, e.g. its precision) and metrics.jsonl up to the resumed
-    epoch."""
+    epoch. A resumed run past --epochs (given lower on --resume) exits 2, having written
+    nothing: its summary.json would give a later epoch's eval as that of --epochs, and --export
+    would call it unfinished."""
     start, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = load_latest(args.out, log)
         history = resume_metrics(args.out, ckpt[2]["epoch"] if ckpt else None, log)
         check_same_checkpoint(args.out, ckpt, history, rank)  # before any rank loads it
+        done = ckpt[2]["epoch"] if ckpt is not None else 0
+        if done > args.epochs:  # summary.json would call epoch `done`'s eval that of --epochs
+            _fail_on_every_rank("--epochs", f"{args.out} has done {done} epochs (its newest "
+                                f"checkpoint), more than --epochs {args.epochs}: give --epochs "
+                                f"{done} or more", rank == 0)  # fmt: skip
         if ckpt is not None:
             tensors, optim_state, state = ckpt
             world.load_state_dict({k: v.to(world.device) for k, v in tensors.items()})

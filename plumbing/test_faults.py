@@ -338,6 +338,26 @@ def test_a_full_disk_while_a_new_run_writes_its_args_json_says_start_it_again(
     cli.check(args, 1, harness.RESUMABLE)  # no exit: the same command goes ahead
 
 
+def test_a_resume_with_epochs_below_those_done_exits_2_writing_nothing(tmp_path, capsys):
+    """--resume --epochs 2 of a run checkpointed at epoch 3: exit 2 naming --epochs, before any
+    write (it wrote args.json with epochs 2 and a summary.json giving epoch 3's eval as that of
+    2 epochs, which --export then called unfinished)."""
+    import recast
+
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    checkpoints.save(run, 3, _tensors(3), optim, {"opt_steps": 15, "gains_ema": None})
+    write_lines(tmp_path / "metrics.jsonl", range(4))
+    (tmp_path / "args.json").write_text("{}")
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=run, resume=True, epochs=2)
+    with pytest.raises(SystemExit) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"recast.py: error: --epochs: {run} has done 3")
+    assert "give --epochs 3 or more" in err
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
     """The scripts' result files (diagnostic.json, anatomy.json, decode_memory.py's --convs) come
     at the end of minutes of work: an error part-way through json.dump (or a stop) must leave
