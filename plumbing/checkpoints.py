@@ -217,23 +217,37 @@ def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
     return None
 
 
+def _record(line: str) -> dict:
+    """A metrics.jsonl line as its record: a JSON object with its epoch, a whole number ≥ 0;
+    ValueError saying what it is instead."""
+    m = json.loads(line)  # json.JSONDecodeError: a ValueError
+    epoch = m.get("epoch") if isinstance(m, dict) else None
+    if type(epoch) is not int or epoch < 0:
+        what = (f"a {type(m).__name__}" if not isinstance(m, dict) else
+                f"its epoch is {epoch!r}" if "epoch" in m else "it has no epoch")  # fmt: skip
+        raise ValueError(f"JSON, but not an epoch's record: {what}")
+    return m
+
+
 def _parse_metrics(path: str) -> tuple[list[dict], str | None]:
     """metrics.jsonl's whole lines, and its torn last line (None if there is none): what a crash
     in the middle of an append leaves, text without its newline or not JSON. A line that is not
-    JSON anywhere else is a ValueError naming the file and the line."""
+    an epoch's record anywhere else (not JSON, or JSON without a whole-number epoch: a file
+    written by something else) is a ValueError naming the file and the line."""
     with open(path, "rb") as f:
         raw = f.read().decode("utf-8", errors="replace").split("\n")
     tail = raw.pop()  # what follows the last newline: "" when the file ends with one
     lines = []
     for i, line in enumerate(raw, 1):
         try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            lines.append(_record(line))
+        except ValueError as e:
             if i == len(raw) and not tail:  # the last line, broken (zeros after a power loss)
                 return lines, line
+            why = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
             raise ValueError(
-                f"{path}, line {i}: not JSON ({e.msg}); a crash can only tear the last line, so "
-                "the file is damaged: restore it from a copy"
+                f"{path}, line {i}: {why}; a crash can only tear the last line, so the file is "
+                "damaged: restore it from a copy"
             ) from e
     return lines, (tail or None)
 
@@ -241,10 +255,9 @@ def _parse_metrics(path: str) -> tuple[list[dict], str | None]:
 def _whole(torn: str | None) -> dict | None:
     """The torn last line as a record, when only its newline is missing."""
     try:
-        m = json.loads(torn) if torn is not None else None
-    except json.JSONDecodeError:
+        return _record(torn) if torn is not None else None
+    except ValueError:
         return None
-    return m if isinstance(m, dict) and "epoch" in m else None
 
 
 def _excerpt(text: str) -> str:

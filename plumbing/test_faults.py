@@ -531,6 +531,29 @@ def test_resume_drops_a_torn_line_after_the_checkpoint_and_refuses_one_it_needs(
     assert (note in printed) if note else printed == ""
 
 
+@pytest.mark.parametrize(
+    "line,said",
+    [
+        ("[1, 2]", "JSON, but not an epoch's record: a list"),
+        ('{"loss": 1.0}', "JSON, but not an epoch's record: it has no epoch"),
+        ('{"epoch": "1", "loss": 1.0}', "JSON, but not an epoch's record: its epoch is '1'"),
+    ],
+)
+def test_a_metrics_line_that_is_not_an_epochs_record_exits_2_naming_it(
+    tmp_path, capsys, line, said
+):
+    """A metrics.jsonl that something else wrote or damaged, its line 2 JSON but not an epoch's
+    record: --resume exits 2 naming the file and the line (it ended in a TypeError or KeyError
+    traceback), and the readers raise the ValueError of a line that is not JSON."""
+    (tmp_path / "metrics.jsonl").write_text(f'{{"epoch": 0}}\n{line}\n{{"epoch": 2}}\n')
+    with pytest.raises(SystemExit) as e:
+        checkpoints.resume_metrics(str(tmp_path), 2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--resume: {tmp_path}/metrics.jsonl, line 2: {said}" in err
+    with pytest.raises(ValueError, match=f"metrics.jsonl, line 2: {re.escape(said)}"):
+        checkpoints.read_metrics(str(tmp_path))
+
+
 @pytest.mark.slow
 def test_a_crash_mid_append_tears_the_log_and_resume_drops_it(tmp_path, whole):
     """The process dies (SIGKILL) half-way through appending epoch 2's line: --resume says it
