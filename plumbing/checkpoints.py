@@ -193,6 +193,24 @@ def save(
     return final
 
 
+STATE = ("epoch", "opt_steps", "gains_ema", "rng", "sha256")  # what state.json holds
+
+
+def _check_state(state, name: str) -> None:
+    """ValueError where `state` (ckpt/`name`/state.json) is not what save wrote for that folder
+    (a checkpoint something else wrote): each key, the epoch of the folder's name, and a SHA-256
+    of both files, or its hashes would vouch for nothing and a key missing stop the resume in a
+    traceback."""
+    if not isinstance(state, dict) or any(k not in state for k in STATE):
+        raise ValueError(f"state.json lacks {', '.join(k for k in STATE if k not in state)}"
+                         if isinstance(state, dict) else "state.json is not an object")  # fmt: skip
+    if state["epoch"] != int(name.removeprefix("epoch_")):
+        raise ValueError(f"its state.json is epoch {state['epoch']!r}'s")
+    if not isinstance(state["sha256"], dict) or sorted(state["sha256"]) != [
+        "model.safetensors", "optim.pt"]:  # fmt: skip
+        raise ValueError("its state.json records no SHA-256 of model.safetensors and optim.pt")
+
+
 def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
     """(tensors, optim, state) of the newest checkpoint that verifies, or None if there is none."""
     root = os.path.join(run_dir, "ckpt")
@@ -201,6 +219,7 @@ def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
         try:
             with open(os.path.join(path, "state.json")) as f:
                 state = json.load(f)
+            _check_state(state, name)
             for file, digest in state["sha256"].items():
                 if _sha256(os.path.join(path, file)) != digest:
                     raise ValueError(

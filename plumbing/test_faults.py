@@ -231,6 +231,34 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0001", "epoch_0003"]
 
 
+@pytest.mark.parametrize(
+    "edit,said",
+    [
+        (lambda s: s.pop("rng"), "state.json lacks rng"),
+        (lambda s: s.update(sha256={}), "records no SHA-256 of model.safetensors and optim.pt"),
+        (lambda s: s.update(epoch=7), "its state.json is epoch 7's"),
+    ],
+    ids=["a-key-missing", "no-hashes", "another-epoch"],
+)
+def test_a_checkpoint_whose_state_is_not_its_own_falls_back_to_the_previous_one(
+    tmp_path, edit, said
+):
+    """A state.json that save did not write for its folder (something else's): unusable, named,
+    and the previous checkpoint used. Before, a key missing stopped the resume in a KeyError
+    traceback, and empty hashes vouched for files never checked."""
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (1, 2):
+        checkpoints.save(run, epoch, _tensors(epoch), optim, {"opt_steps": 5, "gains_ema": None})
+    path = tmp_path / "ckpt" / "epoch_0002" / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    notes = []
+    assert checkpoints.load_latest(run, notes.append)[2]["epoch"] == 1
+    assert len(notes) == 1 and "epoch_0002 is unusable (ValueError: " in notes[0]
+    assert said in notes[0]
+
+
 def test_checkpoints_past_epoch_9999_are_ordered_by_their_number(tmp_path):
     """epoch_10000 sorts before epoch_9999 by name: ordered so, the prune deleted the checkpoint
     just written and --resume took epoch 9999's. The newest two by number are kept and loaded."""
