@@ -92,8 +92,14 @@ class WandB:
         path = os.path.join(out, WANDB_ID)
         kept = {}
         if os.path.isfile(path):
-            with open(path) as f:
-                kept = json.load(f)
+            try:
+                with open(path, "rb") as f:
+                    kept = json.loads(f.read().decode())
+            except ValueError as e:  # torn or another file: a line, not a traceback
+                kept = f"{type(e).__name__}: {e}"
+            if not isinstance(kept, dict):
+                cli.fail("--log", f"{path} is not the run's wandb id ({kept}): restore it from a "
+                         "copy, or remove it to log to a new wandb run")  # fmt: skip
         run_id = kept.get("id") or secrets.token_hex(4)
         project = kept.get("project") or os.environ.get("WANDB_PROJECT") or "recast"
         try:

@@ -137,6 +137,19 @@ def test_a_resumed_tensorboard_holds_each_epoch_once_as_metrics_jsonl_does(tmp_p
         (0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)]  # fmt: skip
 
 
+def test_a_torn_wandb_json_exits_2_naming_it(tmp_path, capsys):
+    """OUT/wandb.json that is not the run's wandb id (torn, not JSON): exit 2 naming --log and
+    the file, before wandb starts (it ended in a JSONDecodeError traceback)."""
+    from plumbing import tblog
+
+    (tmp_path / "wandb.json").write_text('{"id": "ab')
+    with pytest.raises(SystemExit) as e:
+        tblog.WandB(str(tmp_path), {})
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert f"--log: {tmp_path}/wandb.json is not the run's wandb id (JSONDecodeError" in err
+
+
 def test_log_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
     """--log wandb without wandb installed names the package; an unknown target is named with
     the known ones; nothing is written."""
