@@ -257,13 +257,23 @@ def environment() -> dict:
 
 def keep_environment(out: str, log=print) -> None:
     """OUT/environment.json for a new run; a resumed run in another environment says so (its
-    numbers may then differ from an uninterrupted run's at float rounding)."""
+    numbers may then differ from an uninterrupted run's at float rounding), as does one whose
+    environment.json cannot be read (torn, another file's), which is left as it is."""
     path, now = os.path.join(out, "environment.json"), environment()
     if not os.path.isfile(path):
         write_json_atomic(path, now)
         return
-    with open(path) as f:
-        then = json.load(f)
+    try:
+        with open(path, "rb") as f:
+            then = json.loads(f.read().decode())
+        why = None if isinstance(then, dict) else f"JSON, but a {type(then).__name__}"
+    except (OSError, ValueError) as e:  # torn, or another file: the run goes on, said so
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        log(f"note: {path} is unreadable ({why}): the environment {out} was started in is "
+            "unknown, so a change since is not noticed; its numbers from here may differ from an "
+            "uninterrupted run's at float rounding")  # fmt: skip
+        return
     changed = [k for k in now if then.get(k) != now[k]]
     if changed:
         log(f"note: {out} was started in another environment ({', '.join(changed)} differ: "

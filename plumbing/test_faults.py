@@ -386,6 +386,22 @@ def test_a_resume_with_epochs_below_those_done_exits_2_writing_nothing(tmp_path,
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
 
 
+def test_a_torn_environment_json_is_a_note_not_a_traceback(tmp_path):
+    """A resumed run whose environment.json is torn goes on (the file is a record, not its
+    state), saying that a change of environment since its start cannot be noticed; the file is
+    left as it is. It ended the resume in a JSONDecodeError traceback."""
+    (tmp_path / "environment.json").write_text('{"python": "3.1')
+    notes = []
+    rundir.keep_environment(str(tmp_path), notes.append)
+    assert len(notes) == 1 and "environment.json is unreadable (JSONDecodeError" in notes[0]
+    assert (tmp_path / "environment.json").read_text() == '{"python": "3.1'
+    (tmp_path / "environment.json").unlink()
+    rundir.keep_environment(str(tmp_path), notes.append)  # a new run's: written, no note
+    assert len(notes) == 1 and json.loads((tmp_path / "environment.json").read_text())["torch"]
+    rundir.keep_environment(str(tmp_path), notes.append)  # resumed where it started: no note
+    assert len(notes) == 1
+
+
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
     """The scripts' result files (diagnostic.json, anatomy.json, decode_memory.py's --convs) come
     at the end of minutes of work: an error part-way through json.dump (or a stop) must leave
