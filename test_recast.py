@@ -1311,6 +1311,38 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
     assert sorted(os.listdir(tmp_path / "taken")) == ["args.json", "notes.txt"]
 
 
+@pytest.mark.parametrize(
+    "flag,value,said",
+    [
+        ("epochs", None, "--epochs None, not a whole number"),
+        ("epochs", True, "--epochs True, not a whole number"),
+        ("lr", "0.1", "--lr '0.1', not a number"),
+        ("weighting", "bogus", "--weighting 'bogus', not one of recast, uniform, sum, reversed"),
+        ("resume", 1, "--resume 1, not true or false"),
+    ],
+)
+def test_an_args_json_value_no_launch_writes_exits_2_naming_it(
+    tmp_path, monkeypatch, capsys, flag, value, said
+):
+    """An args.json that another tool wrote or edited, one value of a type no launch writes:
+    exit 2 naming --resume, the file and the flag; argparse passed such a value on unchecked
+    (a traceback in the checks, or a --weighting outside its choices trained on)."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    monkeypatch.chdir(tmp_path)
+    saved = {**dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="run")), flag: value}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as e:
+        cli.parse(recast.Args, ["--out", "run", "--resume"], "", harness.BEFORE)
+    err = capsys.readouterr().err
+    fix = "restore it from a copy, or use a new --out"
+    assert e.value.code == 2
+    assert err == f"recast.py: error: --resume: run/args.json gives {said}: {fix}\n"
+
+
 def resumed_without(tmp_path, flag: str):
     """The flags a run made before `flag` existed (its args.json lacks it) resumes with, parsed
     in tmp_path (the working directory)."""

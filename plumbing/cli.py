@@ -89,9 +89,24 @@ def parse(cls, argv: list[str] | None, description: str, before: dict | None = N
     saved = os.path.join(args.out, "args.json")
     if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
         kept = {**(before or {}), **saved_flags(args.out)}  # a newer flag: its old value
+        for f in fields(cls):  # a value no launch writes (another tool's file): argparse would
+            wrong = f.name in kept and not_a(f.type, kept[f.name])  # pass it on unchecked
+            if wrong:
+                fail("--resume", f"{saved} gives {flag_of(f.name)} {kept[f.name]!r}, not {wrong}: "
+                     "restore it from a copy, or use a new --out")  # fmt: skip
         ap.set_defaults(**{k: v for k, v in kept.items() if k in vars(args)})
         args = ap.parse_args(argv)
     return cls(**vars(args))
+
+
+def not_a(kind, value) -> str | None:
+    """What a flag of type `kind` takes, where `value` (from args.json) is not one; else None."""
+    if get_origin(kind) is Literal:
+        return None if value in get_args(kind) else f"one of {', '.join(get_args(kind))}"
+    takes = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(kind, (object,))
+    if isinstance(value, takes) and (kind is bool or not isinstance(value, bool)):
+        return None
+    return {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "a string")
 
 
 def saved_flags(out: str) -> dict:
