@@ -154,7 +154,9 @@ def save(
 ) -> str:
     """Write ckpt/epoch_{epoch:04d} atomically; prune to the newest KEEP. Returns its path. A
     failed write (a full disk) removes the temporary folder and raises WriteFailed: the
-    checkpoints before it are untouched, and nothing half-written is left for --resume."""
+    checkpoints before it are untouched, and nothing half-written is left for --resume. The
+    checkpoints of later epochs go (load_latest found them unusable, or this run would have
+    resumed from them): kept, they counted among the newest KEEP and pruned this one."""
     root = os.path.join(run_dir, "ckpt")
     final = os.path.join(root, f"epoch_{epoch:04d}")
     tmp = final + ".tmp"
@@ -186,7 +188,9 @@ def save(
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)  # and the space it took
         raise write_failed(e, f"checkpoint {final}", run_dir) from e
-    for old in _checkpoints(root)[:-KEEP]:
+    names = _checkpoints(root)
+    later = [n for n in names if int(n.removeprefix("epoch_")) > epoch]
+    for old in later + [n for n in names if n not in later][:-KEEP]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     for stale in (d for d in os.listdir(root) if d.endswith(".tmp")):  # a crash mid-write
         shutil.rmtree(os.path.join(root, stale), ignore_errors=True)

@@ -20,6 +20,7 @@ from plumbing.checkpoints import (
     DISK_FULL,
     WriteFailed,
     load_latest,
+    newest,
     resume_metrics,
     rewrite_metrics,
     write_failed,
@@ -144,6 +145,17 @@ def check_shared_folder(args, rank: int) -> None:
                             rank == 0 or rank in other)  # fmt: skip
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank calls it at the same point)."""
+    if not dist.is_initialized():
+        return flag
+    said = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":  # nccl reduces CUDA tensors only
+        said = said.cuda()
+    dist.all_reduce(said, op=dist.ReduceOp.MAX)
+    return bool(said.item())
+
+
 def _fail_on_every_rank(flag: str, message: str, speak: bool) -> None:
     """Every rank calls it with the same message: those that `speak` print it (cli.fail), and all
     exit 2."""
@@ -186,12 +198,18 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
     the run resolved at its start, e.g. its precision) and metrics.jsonl up to the resumed
     epoch. A resumed run past --epochs (given lower on --resume) exits 2, having written
     nothing: its summary.json would give a later epoch's eval as that of --epochs, and --export
-    would call it unfinished."""
+    would call it unfinished. So does one whose checkpoints are all unusable: it started over
+    from the base model, silently cutting metrics.jsonl back to epoch 0."""
     start, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = load_latest(args.out, log)
         history = resume_metrics(args.out, ckpt[2]["epoch"] if ckpt else None, log)
         check_same_checkpoint(args.out, ckpt, history, rank)  # before any rank loads it
+        if ckpt is None and _on_any_rank(newest(args.out) != "none yet"):  # all unusable
+            _fail_on_every_rank("--resume", f"{args.out} has checkpoints, and none is usable "
+                                "(each is said above): restore one from a copy, or move "
+                                f"{os.path.join(args.out, 'ckpt')} away to start the run over "
+                                "from its base model", rank == 0)  # fmt: skip
         done = ckpt[2]["epoch"] if ckpt is not None else 0
         if done > args.epochs:  # summary.json would call epoch `done`'s eval that of --epochs
             _fail_on_every_rank("--epochs", f"{args.out} has done {done} epochs (its newest "

@@ -259,6 +259,34 @@ def test_a_checkpoint_whose_state_is_not_its_own_falls_back_to_the_previous_one(
     assert said in notes[0]
 
 
+def test_unusable_checkpoints_never_prune_a_new_one_and_all_unusable_exits_2(tmp_path, capsys):
+    """Both kept checkpoints truncated: --resume exits 2 naming them, having written nothing (it
+    started the run over, cut metrics.jsonl back to epoch 0, and each checkpoint it wrote was
+    pruned at once, the two unusable ones being the newest two). A checkpoint written below
+    later ones removes those (load_latest skipped them) and is kept."""
+    import recast
+
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (5, 6):
+        checkpoints.save(run, epoch, _tensors(epoch), optim, {"opt_steps": 5, "gains_ema": None})
+        weights = tmp_path / "ckpt" / f"epoch_{epoch:04d}" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    write_lines(tmp_path / "metrics.jsonl", range(7))
+    (tmp_path / "args.json").write_text("{}")
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=run, resume=True, epochs=8)
+    with pytest.raises(SystemExit) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out.count("is unusable") == 2
+    assert err.startswith(f"recast.py: error: --resume: {run} has checkpoints, and none is usable")
+    assert f"move {run}/ckpt away to start the run over" in err
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    checkpoints.save(run, 1, _tensors(1), optim, {"opt_steps": 5, "gains_ema": None})
+    assert os.listdir(tmp_path / "ckpt") == ["epoch_0001"]
+    assert checkpoints.load_latest(run)[2]["epoch"] == 1
+
+
 def test_checkpoints_past_epoch_9999_are_ordered_by_their_number(tmp_path):
     """epoch_10000 sorts before epoch_9999 by name: ordered so, the prune deleted the checkpoint
     just written and --resume took epoch 9999's. The newest two by number are kept and loaded."""
