@@ -109,9 +109,10 @@ def not_a(kind, value) -> str | None:
     return {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "a string")
 
 
-def saved_flags(out: str) -> dict:
-    """The flags in OUT/args.json; exit 2 naming --resume and the file where it is not a run's
-    (not JSON, torn, or not an object of flags)."""
+def saved_flags(out: str, flag: str = "--resume",
+                fix: str = "restore it from a copy, or use a new --out") -> dict:  # fmt: skip
+    """The flags in OUT/args.json; exit 2 naming `flag`, the file and `fix` where it is not a
+    run's (not JSON, torn, or not an object of flags)."""
     path = os.path.join(out, "args.json")
     try:
         with open(path, "rb") as f:
@@ -120,8 +121,7 @@ def saved_flags(out: str) -> dict:
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         why = f"{type(e).__name__}: {e}"
     if why:
-        fail("--resume", f"{path} is not a run's flags ({why}): restore it from a copy, or use a "
-             "new --out")  # fmt: skip
+        fail(flag, f"{path} is not a run's flags ({why}): {fix}")
     return flags
 
 
