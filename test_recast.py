@@ -1286,12 +1286,14 @@ def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
     (tmp_path / "started" / "args.json.tmp").write_text('{"lam": "0.4')
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "args.json").write_text('{"lam": "0.4,0.2,0.2,0.2", "ep')
+    (tmp_path / "args.json").write_text('{"lam": "0.4,0.2,0.2,0.2", "ep')
     cases = [
         (["--out", "taken"], "is not a run (no args.json): pick another --out"),
         (["--out", "taken", "--resume"], "not a run (no args.json); pick another --out"),
         (["--out", "empty", "--resume"], "not a run (no args.json); drop --resume to start one"),
         (["--out", "started", "--resume"], "drop --resume to start one"),
         (["--out", "torn", "--resume"], "--resume: torn/args.json is not a run's flags (JSONDec"),
+        (["--resume"], "--resume: needs --out"),  # not the working folder's torn args.json
     ]
     for extra, words in cases:
         with pytest.raises(SystemExit) as e:

@@ -87,7 +87,8 @@ def parse(cls, argv: list[str] | None, description: str, before: dict | None = N
             ap.add_argument(flag_of(f.name), type=f.type, **kw)
     args = ap.parse_args(argv)
     saved = os.path.join(args.out, "args.json")
-    if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
+    if args.resume and args.out and os.path.isfile(saved):  # a resumed run keeps its flags
+        # unless given again (no --out: check says so, whatever args.json the working folder has)
         kept = {**(before or {}), **saved_flags(args.out)}  # a newer flag: its old value
         for f in fields(cls):  # a value no launch writes (another tool's file): argparse would
             wrong = f.name in kept and not_a(f.type, kept[f.name])  # pass it on unchecked
