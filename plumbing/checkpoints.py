@@ -4,8 +4,9 @@ A checkpoint is a folder `ckpt/epoch_XXXX/` holding `model.safetensors` (trained
 `optim.pt` (optimizer), and `state.json` (epoch, gain EMA, step count, RNG states, and the SHA-256
 of the two other files). It is written under a temporary name and renamed into place, so a
 checkpoint folder either exists whole or not at all; `state.json` is written last and its hashes
-catch a file truncated or corrupted later. The newest two are kept: if the newest does not verify,
-the one before it is used. A write that fails (a full disk) removes the temporary folder and stops
+catch a file truncated or corrupted later. The newest two are kept, by epoch number: if the
+newest does not verify, the one before it is used (if none does, --resume exits 2:
+rundir.start_or_resume). A write that fails (a full disk) removes the temporary folder and stops
 the run with WriteFailed; the checkpoints before it are untouched. write_whole replaces a
 script's JSON result whole the same way (studies/diagnostic.py, studies/anatomy.py,
 benchmarks/decode_memory.py --convs).
