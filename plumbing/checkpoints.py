@@ -209,7 +209,7 @@ def _check_state(state, name: str) -> None:
     if not isinstance(state, dict) or any(k not in state for k in STATE):
         raise ValueError(f"state.json lacks {', '.join(k for k in STATE if k not in state)}"
                          if isinstance(state, dict) else "state.json is not an object")  # fmt: skip
-    if state["epoch"] != int(name.removeprefix("epoch_")):
+    if type(state["epoch"]) is not int or state["epoch"] != int(name.removeprefix("epoch_")):
         raise ValueError(f"its state.json is epoch {state['epoch']!r}'s")
     if not isinstance(state["sha256"], dict) or sorted(state["sha256"]) != [
         "model.safetensors", "optim.pt"]:  # fmt: skip

@@ -237,8 +237,9 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp
         (lambda s: s.pop("rng"), "state.json lacks rng"),
         (lambda s: s.update(sha256={}), "records no SHA-256 of model.safetensors and optim.pt"),
         (lambda s: s.update(epoch=7), "its state.json is epoch 7's"),
+        (lambda s: s.update(epoch=2.0), "its state.json is epoch 2.0's"),
     ],
-    ids=["a-key-missing", "no-hashes", "another-epoch"],
+    ids=["a-key-missing", "no-hashes", "another-epoch", "not-a-whole-number"],
 )
 def test_a_checkpoint_whose_state_is_not_its_own_falls_back_to_the_previous_one(
     tmp_path, edit, said
