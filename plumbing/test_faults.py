@@ -431,6 +431,27 @@ def test_a_torn_environment_json_is_a_note_not_a_traceback(tmp_path):
     assert len(notes) == 1
 
 
+def test_a_stop_between_the_eval_images_renames_keeps_the_previous_set_readable(tmp_path):
+    """eval_images.save moves the previous set aside (eval_images.old), then the new one in: a run
+    stopped between the two renames has no eval_images/, and the readers (studies/judge.py,
+    comparison.py) read the previous set, whole, instead of saying the run has none; the next
+    eval puts a set back in place."""
+    from plumbing import eval_images
+
+    def images(value: float) -> torch.Tensor:
+        return torch.full((2, 3, 4, 4), value)
+
+    index = {"prompts": ["a", "b"], "noise_sha256": "0"}
+    eval_images.save(str(tmp_path), images(-1.0), 0, {"epoch": 1, **index}, rank=0)
+    os.replace(tmp_path / "eval_images", tmp_path / "eval_images.old")  # the stop, mid-swap
+    (tmp_path / "eval_images.tmp").mkdir()  # the new set, not yet in place
+    got, pixels = eval_images.load(str(tmp_path))
+    assert got["epoch"] == 1 and torch.equal(pixels, images(-1.0))
+    eval_images.save(str(tmp_path), images(1.0), 0, {"epoch": 3, **index}, rank=0)
+    assert sorted(os.listdir(tmp_path)) == ["eval_images"]
+    assert eval_images.load(str(tmp_path))[0]["epoch"] == 3
+
+
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
     """The scripts' result files (diagnostic.json, anatomy.json, decode_memory.py's --convs) come
     at the end of minutes of work: an error part-way through json.dump (or a stop) must leave
