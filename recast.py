@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
         evals = harness.EvalSet(run, history, sample)  # fixed held-out set; base model: epoch 0
         distributed.start_training()  # collectives: RECAST_COLLECTIVE_TIMEOUT from here on
         if tblog.targets(args.log) and run.rank == 0:  # TensorBoard, wandb: metrics.jsonl's views
-            run.views = tblog.Views(tblog.targets(args.log), args.out, dict(vars(args)))
+            run.views = tblog.Views(tblog.targets(args.log), args.out, dict(vars(args)), start)
             run.views.epoch(history[0], args.out, pictures=False)
         stop = rundir.Stop(run.log)  # SIGINT, SIGTERM: finish the epoch, checkpoint, exit
         for epoch in range(start, args.epochs + 1):

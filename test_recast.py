@@ -1270,24 +1270,79 @@ def test_judges_and_tensorboard_log(tmp_path):
 
 
 def test_out_exists_and_resume_mistakes(tmp_path, monkeypatch, capsys):
+    """Each message's fix works: a folder holding files but no run is never sent to --resume and
+    back (exit 2 both ways); one holding no run (empty, or what a start stopped before its
+    args.json leaves) takes a new run; a torn args.json is a line naming it, not a traceback."""
+    import harness
     import recast
+    from plumbing import cli
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("not a run")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "started").mkdir()  # a full disk (or a kill) while its args.json was written
+    (tmp_path / "started" / ".lock").write_text("pid 1 on host h\n")
+    (tmp_path / "started" / "args.json.tmp").write_text('{"lam": "0.4')
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "args.json").write_text('{"lam": "0.4,0.2,0.2,0.2", "ep')
+    (tmp_path / "args.json").write_text('{"lam": "0.4,0.2,0.2,0.2", "ep')
     cases = [
-        (["--out", "taken"], "--resume"),  # exists without --resume: suggest it
-        (["--out", "taken", "--resume"], "not a run"),
+        (["--out", "taken"], "is not a run (no args.json): pick another --out"),
+        (["--out", "taken", "--resume"], "not a run (no args.json); pick another --out"),
+        (["--out", "empty", "--resume"], "not a run (no args.json); drop --resume to start one"),
+        (["--out", "started", "--resume"], "drop --resume to start one"),
+        (["--out", "torn", "--resume"], "--resume: torn/args.json is not a run's flags (JSONDec"),
+        (["--resume"], "--resume: needs --out"),  # not the working folder's torn args.json
     ]
     for extra, words in cases:
         with pytest.raises(SystemExit) as e:
             recast.main(["--lambda", "0.4,0.2,0.2,0.2", *extra])
-        assert e.value.code == 2 and words in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and words in err and err.count("\n") == 1, err
+    for folder in ("empty", "started"):  # no exit: a new run goes ahead in it
+        cli.check(recast.Args(lam="0.4,0.2,0.2,0.2", out=folder), 1, harness.RESUMABLE)
     saved = recast.Args(lam="0.4,0.2,0.2,0.2", out="taken")
     (tmp_path / "taken" / "args.json").write_text(json.dumps(dataclasses.asdict(saved)))
     with pytest.raises(SystemExit) as e:
+        recast.main(["--out", "taken"])  # a run: suggest --resume
+    assert e.value.code == 2 and "taken exists: add --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         recast.main(["--out", "taken", "--resume", "--beta", "0.5"])
     assert e.value.code == 2 and "--beta 0.1 → 0.5" in capsys.readouterr().err
-    assert os.listdir(tmp_path / "taken") == ["args.json"]
+    assert sorted(os.listdir(tmp_path / "taken")) == ["args.json", "notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "flag,value,said",
+    [
+        ("epochs", None, "--epochs None, not a whole number"),
+        ("epochs", True, "--epochs True, not a whole number"),
+        ("lr", "0.1", "--lr '0.1', not a number"),
+        ("weighting", "bogus", "--weighting 'bogus', not one of recast, uniform, sum, reversed"),
+        ("resume", 1, "--resume 1, not true or false"),
+    ],
+)
+def test_an_args_json_value_no_launch_writes_exits_2_naming_it(
+    tmp_path, monkeypatch, capsys, flag, value, said
+):
+    """An args.json that another tool wrote or edited, one value of a type no launch writes:
+    exit 2 naming --resume, the file and the flag; argparse passed such a value on unchecked
+    (a traceback in the checks, or a --weighting outside its choices trained on)."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    monkeypatch.chdir(tmp_path)
+    saved = {**dataclasses.asdict(recast.Args(lam="0.4,0.2,0.2,0.2", out="run")), flag: value}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as e:
+        cli.parse(recast.Args, ["--out", "run", "--resume"], "", harness.BEFORE)
+    err = capsys.readouterr().err
+    fix = "restore it from a copy, or use a new --out"
+    assert e.value.code == 2
+    assert err == f"recast.py: error: --resume: run/args.json gives {said}: {fix}\n"
 
 
 def resumed_without(tmp_path, flag: str):

@@ -4,8 +4,9 @@ A checkpoint is a folder `ckpt/epoch_XXXX/` holding `model.safetensors` (trained
 `optim.pt` (optimizer), and `state.json` (epoch, gain EMA, step count, RNG states, and the SHA-256
 of the two other files). It is written under a temporary name and renamed into place, so a
 checkpoint folder either exists whole or not at all; `state.json` is written last and its hashes
-catch a file truncated or corrupted later. The newest two are kept: if the newest does not verify,
-the one before it is used. A write that fails (a full disk) removes the temporary folder and stops
+catch a file truncated or corrupted later. The newest two are kept, by epoch number: if the
+newest does not verify, the one before it is used (if none does, --resume exits 2:
+rundir.start_or_resume). A write that fails (a full disk) removes the temporary folder and stops
 the run with WriteFailed; the checkpoints before it are untouched. write_whole replaces a
 script's JSON result whole the same way (studies/diagnostic.py, studies/anatomy.py,
 benchmarks/decode_memory.py --convs).
@@ -18,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -39,10 +41,12 @@ class WriteFailed(RuntimeError):
 
 
 def _checkpoints(root: str) -> list[str]:
-    """The finished checkpoint folders under ckpt/, oldest first."""
+    """The finished checkpoint folders under ckpt/, oldest first: by their epoch's number, not
+    their names' order (epoch_10000 comes after epoch_9999)."""
     if not os.path.isdir(root):
         return []
-    return sorted(d for d in os.listdir(root) if d.startswith("epoch_") and not d.endswith(".tmp"))
+    names = [d for d in os.listdir(root) if re.fullmatch(r"epoch_\d+", d)]
+    return sorted(names, key=lambda d: int(d.removeprefix("epoch_")))
 
 
 def newest(run_dir: str) -> str:
@@ -64,17 +68,19 @@ def resume_command(out: str) -> str:
     return f"on each node: {launch} {tail}"
 
 
-def write_failed(e: OSError, what: str, run_dir: str) -> WriteFailed:
-    """WriteFailed naming what could not be written, the folder, its disk and the OS error."""
+def write_failed(e: OSError, what: str, run_dir: str, then: str | None = None) -> WriteFailed:
+    """WriteFailed naming what could not be written, the folder, its disk and the OS error, and
+    `then`, what to do once space is freed (default: the newest checkpoint is kept; --resume)."""
     try:
         free = f"{shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free now"
     except OSError:
         free = "free space unknown"
     cause = {errno.ENOSPC: "the disk holding it is full", errno.EDQUOT: "its disk quota is used up"}
+    then = then or (f"the newest checkpoint ({newest(run_dir)}) is kept: free space, then "
+                    f"continue: {resume_command(run_dir)}")  # fmt: skip
     return WriteFailed(
         f"could not write {what} in {run_dir}: {cause.get(e.errno, 'the OS refused the write')} "
-        f"([Errno {e.errno}] {e.strerror or e}; {free}); the newest checkpoint "
-        f"({newest(run_dir)}) is kept: free space, then continue: {resume_command(run_dir)}"
+        f"([Errno {e.errno}] {e.strerror or e}; {free}); {then}"
     )
 
 
@@ -115,15 +121,16 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_json_atomic(path: str, obj) -> None:
-    """`obj` as JSON, written beside `path` and renamed onto it: the old file or the new, whole."""
+def write_json_atomic(path: str, obj, then: str | None = None) -> None:
+    """`obj` as JSON, written beside `path` and renamed onto it: the old file or the new, whole.
+    A failed write raises WriteFailed (`then`: as in write_failed)."""
     tmp = path + ".tmp"
     try:
         _write_synced(tmp, json.dumps(obj, indent=1).encode())
         os.replace(tmp, path)
     except OSError as e:
         _remove(tmp)
-        raise write_failed(e, os.path.basename(path), os.path.dirname(path) or ".") from e
+        raise write_failed(e, os.path.basename(path), os.path.dirname(path) or ".", then) from e
 
 
 def write_whole(path: str, obj) -> None:
@@ -148,7 +155,9 @@ def save(
 ) -> str:
     """Write ckpt/epoch_{epoch:04d} atomically; prune to the newest KEEP. Returns its path. A
     failed write (a full disk) removes the temporary folder and raises WriteFailed: the
-    checkpoints before it are untouched, and nothing half-written is left for --resume."""
+    checkpoints before it are untouched, and nothing half-written is left for --resume. The
+    checkpoints of later epochs go (load_latest found them unusable, or this run would have
+    resumed from them): kept, they counted among the newest KEEP and pruned this one."""
     root = os.path.join(run_dir, "ckpt")
     final = os.path.join(root, f"epoch_{epoch:04d}")
     tmp = final + ".tmp"
@@ -180,11 +189,31 @@ def save(
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)  # and the space it took
         raise write_failed(e, f"checkpoint {final}", run_dir) from e
-    for old in _checkpoints(root)[:-KEEP]:
+    names = _checkpoints(root)
+    later = [n for n in names if int(n.removeprefix("epoch_")) > epoch]
+    for old in later + [n for n in names if n not in later][:-KEEP]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     for stale in (d for d in os.listdir(root) if d.endswith(".tmp")):  # a crash mid-write
         shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
     return final
+
+
+STATE = ("epoch", "opt_steps", "gains_ema", "rng", "sha256")  # what state.json holds
+
+
+def _check_state(state, name: str) -> None:
+    """ValueError where `state` (ckpt/`name`/state.json) is not what save wrote for that folder
+    (a checkpoint something else wrote): each key, the epoch of the folder's name, and a SHA-256
+    of both files, or its hashes would vouch for nothing and a key missing stop the resume in a
+    traceback."""
+    if not isinstance(state, dict) or any(k not in state for k in STATE):
+        raise ValueError(f"state.json lacks {', '.join(k for k in STATE if k not in state)}"
+                         if isinstance(state, dict) else "state.json is not an object")  # fmt: skip
+    if type(state["epoch"]) is not int or state["epoch"] != int(name.removeprefix("epoch_")):
+        raise ValueError(f"its state.json is epoch {state['epoch']!r}'s")
+    if not isinstance(state["sha256"], dict) or sorted(state["sha256"]) != [
+        "model.safetensors", "optim.pt"]:  # fmt: skip
+        raise ValueError("its state.json records no SHA-256 of model.safetensors and optim.pt")
 
 
 def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
@@ -195,6 +224,7 @@ def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
         try:
             with open(os.path.join(path, "state.json")) as f:
                 state = json.load(f)
+            _check_state(state, name)
             for file, digest in state["sha256"].items():
                 if _sha256(os.path.join(path, file)) != digest:
                     raise ValueError(
@@ -211,23 +241,37 @@ def load_latest(run_dir: str, log=print) -> tuple[dict, dict, dict] | None:
     return None
 
 
+def _record(line: str) -> dict:
+    """A metrics.jsonl line as its record: a JSON object with its epoch, a whole number ≥ 0;
+    ValueError saying what it is instead."""
+    m = json.loads(line)  # json.JSONDecodeError: a ValueError
+    epoch = m.get("epoch") if isinstance(m, dict) else None
+    if type(epoch) is not int or epoch < 0:
+        what = (f"a {type(m).__name__}" if not isinstance(m, dict) else
+                f"its epoch is {epoch!r}" if "epoch" in m else "it has no epoch")  # fmt: skip
+        raise ValueError(f"JSON, but not an epoch's record: {what}")
+    return m
+
+
 def _parse_metrics(path: str) -> tuple[list[dict], str | None]:
     """metrics.jsonl's whole lines, and its torn last line (None if there is none): what a crash
     in the middle of an append leaves, text without its newline or not JSON. A line that is not
-    JSON anywhere else is a ValueError naming the file and the line."""
+    an epoch's record anywhere else (not JSON, or JSON without a whole-number epoch: a file
+    written by something else) is a ValueError naming the file and the line."""
     with open(path, "rb") as f:
         raw = f.read().decode("utf-8", errors="replace").split("\n")
     tail = raw.pop()  # what follows the last newline: "" when the file ends with one
     lines = []
     for i, line in enumerate(raw, 1):
         try:
-            lines.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            lines.append(_record(line))
+        except ValueError as e:
             if i == len(raw) and not tail:  # the last line, broken (zeros after a power loss)
                 return lines, line
+            why = f"not JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else str(e)
             raise ValueError(
-                f"{path}, line {i}: not JSON ({e.msg}); a crash can only tear the last line, so "
-                "the file is damaged: restore it from a copy"
+                f"{path}, line {i}: {why}; a crash can only tear the last line, so the file is "
+                "damaged: restore it from a copy"
             ) from e
     return lines, (tail or None)
 
@@ -235,10 +279,9 @@ def _parse_metrics(path: str) -> tuple[list[dict], str | None]:
 def _whole(torn: str | None) -> dict | None:
     """The torn last line as a record, when only its newline is missing."""
     try:
-        m = json.loads(torn) if torn is not None else None
-    except json.JSONDecodeError:
+        return _record(torn) if torn is not None else None
+    except ValueError:
         return None
-    return m if isinstance(m, dict) and "epoch" in m else None
 
 
 def _excerpt(text: str) -> str:

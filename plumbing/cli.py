@@ -87,12 +87,43 @@ def parse(cls, argv: list[str] | None, description: str, before: dict | None = N
             ap.add_argument(flag_of(f.name), type=f.type, **kw)
     args = ap.parse_args(argv)
     saved = os.path.join(args.out, "args.json")
-    if args.resume and os.path.isfile(saved):  # a resumed run keeps its flags unless given again
-        with open(saved) as f:
-            kept = {**(before or {}), **json.load(f)}  # a newer flag: its old value
-            ap.set_defaults(**{k: v for k, v in kept.items() if k in vars(args)})
+    if args.resume and args.out and os.path.isfile(saved):  # a resumed run keeps its flags
+        # unless given again (no --out: check says so, whatever args.json the working folder has)
+        kept = {**(before or {}), **saved_flags(args.out)}  # a newer flag: its old value
+        for f in fields(cls):  # a value no launch writes (another tool's file): argparse would
+            wrong = f.name in kept and not_a(f.type, kept[f.name])  # pass it on unchecked
+            if wrong:
+                fail("--resume", f"{saved} gives {flag_of(f.name)} {kept[f.name]!r}, not {wrong}: "
+                     "restore it from a copy, or use a new --out")  # fmt: skip
+        ap.set_defaults(**{k: v for k, v in kept.items() if k in vars(args)})
         args = ap.parse_args(argv)
     return cls(**vars(args))
+
+
+def not_a(kind, value) -> str | None:
+    """What a flag of type `kind` takes, where `value` (from args.json) is not one; else None."""
+    if get_origin(kind) is Literal:
+        return None if value in get_args(kind) else f"one of {', '.join(get_args(kind))}"
+    takes = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(kind, (object,))
+    if isinstance(value, takes) and (kind is bool or not isinstance(value, bool)):
+        return None
+    return {bool: "true or false", int: "a whole number", float: "a number"}.get(kind, "a string")
+
+
+def saved_flags(out: str, flag: str = "--resume",
+                fix: str = "restore it from a copy, or use a new --out") -> dict:  # fmt: skip
+    """The flags in OUT/args.json; exit 2 naming `flag`, the file and `fix` where it is not a
+    run's (not JSON, torn, or not an object of flags)."""
+    path = os.path.join(out, "args.json")
+    try:
+        with open(path, "rb") as f:
+            flags = json.loads(f.read().decode())
+        why = None if isinstance(flags, dict) else f"JSON, but a {type(flags).__name__}"
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        fail(flag, f"{path} is not a run's flags ({why}): {fix}")
+    return flags
 
 
 def count(text: str) -> int:
@@ -179,6 +210,18 @@ def scored_share(gain_frac: float, prompts: int, world_size: int, rank: int) -> 
     return [g - first for g in picked if first <= g < first + per_rank]
 
 
+# What a new run leaves in its folder before its args.json: its lock, the args.json it was
+# writing, torchrun's token (rundir.check_shared_folder). A folder holding no more holds no run.
+NO_RUN_YET = re.compile(r"\.lock|args\.json\.tmp|\.shared-[0-9a-f]{8}(\.tmp)?")
+
+
+def holds_no_run(out: str) -> bool:
+    """Whether the folder `out` may take a new run: empty (made beforehand, as a job script's
+    mkdir -p does), or holding only what a start stopped before its args.json leaves (a full
+    disk or a kill while it was written). Said there, `--resume` has nothing to continue."""
+    return os.path.isdir(out) and all(NO_RUN_YET.fullmatch(n) for n in os.listdir(out))
+
+
 def check(args, world_size: int, resumable: set[str], before: dict | None = None) -> None:
     """Ranges, divisibility, and the run folder: everything checkable before loading a model.
     A resumed run may change the flags `resumable` only (`before`: as in parse)."""
@@ -224,18 +267,20 @@ def check(args, world_size: int, resumable: set[str], before: dict | None = None
                  "--prompts 2 or more (and --gain-frac 1)")  # fmt: skip
     if args.prompts % world_size or args.batch_size % world_size:
         fail("--prompts", f"--prompts and --batch-size must be multiples of {world_size} processes")
-    if args.out and os.path.exists(args.out) and not args.resume:
-        fail(
-            "--out", f"{args.out} exists: add --resume to continue that run, or pick another --out"
-        )
+    saved = os.path.join(args.out, "args.json")
+    if args.out and os.path.exists(args.out) and not args.resume and not holds_no_run(args.out):
+        if not os.path.isfile(saved):
+            fail("--out", f"{args.out} exists and is not a run (no args.json): pick another --out")
+        fail("--out", f"{args.out} exists: add --resume to continue that run, or pick another "
+             "--out")  # fmt: skip
     if args.resume:
         if not args.out:
             fail("--resume", "needs --out, the run folder to continue")
-        saved = os.path.join(args.out, "args.json")
         if not os.path.isfile(saved):
-            fail("--resume", f"{args.out} is not a run (no args.json); drop --resume to start one")
-        with open(saved) as f:
-            run = json.load(f)
+            new = not os.path.exists(args.out) or holds_no_run(args.out)
+            fix = "drop --resume to start one" if new else "pick another --out"
+            fail("--resume", f"{args.out} is not a run (no args.json); {fix}")
+        run = saved_flags(args.out)
         default = {f.name: f.default for f in fields(args)}  # a flag newer than the run: its
         default = {**default, **(before or {})}  # value before it existed
         differ = [k for k, v in asdict(args).items()

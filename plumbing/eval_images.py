@@ -73,8 +73,12 @@ def save(out: str, images: torch.Tensor, start: int, index: dict, rank: int) -> 
 
 def load(run: str) -> tuple[dict, torch.Tensor]:
     """(index, images (N, 3, H, W) in [-1, 1]) of a run folder's eval_images/; FileNotFoundError
-    naming the folder when it has none."""
+    naming the folder when it has none. A run stopped between save's two renames has none but
+    eval_images.old/, the previous eval's set, whole: that one is read."""
     folder = os.path.join(run, FOLDER)
+    if not os.path.isfile(os.path.join(folder, "index.json")) and os.path.isfile(
+            os.path.join(folder + ".old", "index.json")):  # fmt: skip
+        folder += ".old"
     path = os.path.join(folder, "index.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(

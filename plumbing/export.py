@@ -70,8 +70,9 @@ def finished_checkpoint(run: str) -> tuple[dict, dict]:
     path = os.path.join(run, "args.json")
     if not os.path.isfile(path):
         cli.fail("--export", f"{run} is not a run folder (no args.json)")
-    with open(path) as f:
-        args = json.load(f)
+    args = cli.saved_flags(run, "--export", "restore it from a copy")
+    if not isinstance(args.get("model"), str):
+        cli.fail("--export", f"{path} is not a run's flags (no --model): restore it from a copy")
     if _is_toy(args["model"]):
         cli.fail("--export", f"{run} trained the toy world, whose policy is a whole transformer "
                  "(its checkpoint), not a LoRA of a diffusers pipeline")  # fmt: skip

@@ -20,6 +20,7 @@ from plumbing.checkpoints import (
     DISK_FULL,
     WriteFailed,
     load_latest,
+    newest,
     resume_metrics,
     rewrite_metrics,
     write_failed,
@@ -144,6 +145,17 @@ def check_shared_folder(args, rank: int) -> None:
                             rank == 0 or rank in other)  # fmt: skip
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank calls it at the same point)."""
+    if not dist.is_initialized():
+        return flag
+    said = torch.tensor([int(flag)])
+    if dist.get_backend() == "nccl":  # nccl reduces CUDA tensors only
+        said = said.cuda()
+    dist.all_reduce(said, op=dist.ReduceOp.MAX)
+    return bool(said.item())
+
+
 def _fail_on_every_rank(flag: str, message: str, speak: bool) -> None:
     """Every rank calls it with the same message: those that `speak` print it (cli.fail), and all
     exit 2."""
@@ -184,12 +196,25 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
     optimizer, RNG, gain EMA). Returns (first epoch to run, optimizer steps, gain EMA, metrics
     history); rank 0 locks the folder and (re)writes args.json (the flags, and `resolved`: what
     the run resolved at its start, e.g. its precision) and metrics.jsonl up to the resumed
-    epoch."""
+    epoch. A resumed run past --epochs (given lower on --resume) exits 2, having written
+    nothing: its summary.json would give a later epoch's eval as that of --epochs, and --export
+    would call it unfinished. So does one whose checkpoints are all unusable: it started over
+    from the base model, silently cutting metrics.jsonl back to epoch 0."""
     start, gains_ema, opt_steps, history = 1, None, 0, []
     if args.resume:
         ckpt = load_latest(args.out, log)
         history = resume_metrics(args.out, ckpt[2]["epoch"] if ckpt else None, log)
         check_same_checkpoint(args.out, ckpt, history, rank)  # before any rank loads it
+        if ckpt is None and _on_any_rank(newest(args.out) != "none yet"):  # all unusable
+            _fail_on_every_rank("--resume", f"{args.out} has checkpoints, and none is usable "
+                                "(each is said above): restore one from a copy, or move "
+                                f"{os.path.join(args.out, 'ckpt')} away to start the run over "
+                                "from its base model", rank == 0)  # fmt: skip
+        done = ckpt[2]["epoch"] if ckpt is not None else 0
+        if done > args.epochs:  # summary.json would call epoch `done`'s eval that of --epochs
+            _fail_on_every_rank("--epochs", f"{args.out} has done {done} epochs (its newest "
+                                f"checkpoint), more than --epochs {args.epochs}: give --epochs "
+                                f"{done} or more", rank == 0)  # fmt: skip
         if ckpt is not None:
             tensors, optim_state, state = ckpt
             world.load_state_dict({k: v.to(world.device) for k, v in tensors.items()})
@@ -203,7 +228,13 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         lock_run(args.out)  # a new run's folder exists only now; --resume took it in setup
-        write_json_atomic(os.path.join(args.out, "args.json"), {**asdict(args), **(resolved or {})})
+        # a new run's args.json not written (a full disk): the folder holds no run, and the
+        # same command, not --resume, starts it once space is freed (cli.holds_no_run)
+        again = None if args.resume else (
+            "nothing of the run is written yet: free space, then start it again with the same "
+            "command")  # fmt: skip
+        saved = {**asdict(args), **(resolved or {})}
+        write_json_atomic(os.path.join(args.out, "args.json"), saved, again)
         rewrite_metrics(args.out, history)
         keep_environment(args.out, log)
     return start, opt_steps, gains_ema, history
@@ -244,13 +275,23 @@ def environment() -> dict:
 
 def keep_environment(out: str, log=print) -> None:
     """OUT/environment.json for a new run; a resumed run in another environment says so (its
-    numbers may then differ from an uninterrupted run's at float rounding)."""
+    numbers may then differ from an uninterrupted run's at float rounding), as does one whose
+    environment.json cannot be read (torn, another file's), which is left as it is."""
     path, now = os.path.join(out, "environment.json"), environment()
     if not os.path.isfile(path):
         write_json_atomic(path, now)
         return
-    with open(path) as f:
-        then = json.load(f)
+    try:
+        with open(path, "rb") as f:
+            then = json.loads(f.read().decode())
+        why = None if isinstance(then, dict) else f"JSON, but a {type(then).__name__}"
+    except (OSError, ValueError) as e:  # torn, or another file: the run goes on, said so
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        log(f"note: {path} is unreadable ({why}): the environment {out} was started in is "
+            "unknown, so a change since is not noticed; its numbers from here may differ from an "
+            "uninterrupted run's at float rounding")  # fmt: skip
+        return
     changed = [k for k in now if then.get(k) != now[k]]
     if changed:
         log(f"note: {out} was started in another environment ({', '.join(changed)} differ: "

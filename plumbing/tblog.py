@@ -46,15 +46,23 @@ def _scalars(m: dict) -> dict:
 class TensorBoard:
     """--log tensorboard (rank 0): every number of a metrics.jsonl line as a scalar at its epoch,
     and the pictures the run draws (W.png with the gain profiles each epoch, samples.png at each
-    eval) as images. metrics.jsonl and the PNGs stay the record; this is a view of them."""
+    eval) as images. metrics.jsonl and the PNGs stay the record; this is a view of them. A resumed
+    run whose OUT/tensorboard exists continues it from `first`, the first epoch it runs: what an
+    earlier launch logged from that epoch on (epochs past its last checkpoint, which run again)
+    is purged from the view (SummaryWriter's purge_step), and the epochs before it are not sent
+    again (each epoch once, as metrics.jsonl holds it)."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, first: int = 1):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+        folder = os.path.join(out, "tensorboard")
+        self.first = first if os.path.isdir(folder) else 0  # 0: a new log, sent every epoch
+        self.writer = SummaryWriter(folder, purge_step=self.first or None)
 
     def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
         step = m["epoch"]
+        if step < self.first:  # resumed: the log holds this epoch already
+            return
         for k, v in _scalars(m).items():
             self.writer.add_scalar(k, v, step)
         evaluated = any(k.startswith("eval/") for k in m)
@@ -84,8 +92,14 @@ class WandB:
         path = os.path.join(out, WANDB_ID)
         kept = {}
         if os.path.isfile(path):
-            with open(path) as f:
-                kept = json.load(f)
+            try:
+                with open(path, "rb") as f:
+                    kept = json.loads(f.read().decode())
+            except ValueError as e:  # torn or another file: a line, not a traceback
+                kept = f"{type(e).__name__}: {e}"
+            if not isinstance(kept, dict):
+                cli.fail("--log", f"{path} is not the run's wandb id ({kept}): restore it from a "
+                         "copy, or remove it to log to a new wandb run")  # fmt: skip
         run_id = kept.get("id") or secrets.token_hex(4)
         project = kept.get("project") or os.environ.get("WANDB_PROJECT") or "recast"
         try:
@@ -116,10 +130,12 @@ class WandB:
 
 
 class Views:
-    """Every --log target, each fed every metrics.jsonl line (rank 0)."""
+    """Every --log target, each fed every metrics.jsonl line (rank 0); `first`: the first epoch
+    this launch runs (a resumed run's, after its checkpoint)."""
 
-    def __init__(self, names: list[str], out: str, config: dict):
-        self.views = [TensorBoard(out) if n == "tensorboard" else WandB(out, config) for n in names]
+    def __init__(self, names: list[str], out: str, config: dict, first: int = 1):
+        self.views = [TensorBoard(out, first) if n == "tensorboard" else WandB(out, config)
+                      for n in names]  # fmt: skip
 
     def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
         for view in self.views:

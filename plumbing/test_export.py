@@ -78,12 +78,18 @@ def test_export_writes_the_default_adapter_with_its_lora_config(tmp_path, capsys
 
 
 def test_export_bad_input_exits_2_naming_the_run_and_writes_nothing(tmp_path, capsys):
-    """Not a run, a toy-world run, a run not finished, a corrupt one (its newest checkpoint
-    truncated), a --model that is gone: exit 2 naming --export and the folder; a --to that holds
-    files: exit 2 naming --to, unless --overwrite (which keeps the folder's other files)."""
+    """Not a run, a torn args.json, a toy-world run, a run not finished, a corrupt one (its
+    newest checkpoint truncated), a --model that is gone: exit 2 naming --export and the folder;
+    a --to that holds files: exit 2 naming --to, unless --overwrite (which keeps the folder's
+    other files)."""
     to = tmp_path / "lora"
     err = exits_2(capsys, "--export", tmp_path, "--to", to)
     assert "error: --export" in err and str(tmp_path) in err and "no args.json" in err
+    torn = make_run(tmp_path / "torn")
+    with open(os.path.join(torn, "args.json"), "r+b") as f:
+        f.truncate(20)
+    err = exits_2(capsys, "--export", torn, "--to", to)
+    assert f"error: --export: {torn}/args.json is not a run's flags (JSONDecodeError" in err
     toy = make_run(tmp_path / "toy", model="toy")
     assert "toy world" in exits_2(capsys, "--export", toy, "--to", to)
     unfinished = make_run(tmp_path / "unfinished", epochs=3)

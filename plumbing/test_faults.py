@@ -231,6 +231,75 @@ def test_a_checkpoint_half_written_by_a_crash_is_never_picked_and_is_cleared(tmp
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0001", "epoch_0003"]
 
 
+@pytest.mark.parametrize(
+    "edit,said",
+    [
+        (lambda s: s.pop("rng"), "state.json lacks rng"),
+        (lambda s: s.update(sha256={}), "records no SHA-256 of model.safetensors and optim.pt"),
+        (lambda s: s.update(epoch=7), "its state.json is epoch 7's"),
+        (lambda s: s.update(epoch=2.0), "its state.json is epoch 2.0's"),
+    ],
+    ids=["a-key-missing", "no-hashes", "another-epoch", "not-a-whole-number"],
+)
+def test_a_checkpoint_whose_state_is_not_its_own_falls_back_to_the_previous_one(
+    tmp_path, edit, said
+):
+    """A state.json that save did not write for its folder (something else's): unusable, named,
+    and the previous checkpoint used. Before, a key missing stopped the resume in a KeyError
+    traceback, and empty hashes vouched for files never checked."""
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (1, 2):
+        checkpoints.save(run, epoch, _tensors(epoch), optim, {"opt_steps": 5, "gains_ema": None})
+    path = tmp_path / "ckpt" / "epoch_0002" / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    path.write_text(json.dumps(state))
+    notes = []
+    assert checkpoints.load_latest(run, notes.append)[2]["epoch"] == 1
+    assert len(notes) == 1 and "epoch_0002 is unusable (ValueError: " in notes[0]
+    assert said in notes[0]
+
+
+def test_unusable_checkpoints_never_prune_a_new_one_and_all_unusable_exits_2(tmp_path, capsys):
+    """Both kept checkpoints truncated: --resume exits 2 naming them, having written nothing (it
+    started the run over, cut metrics.jsonl back to epoch 0, and each checkpoint it wrote was
+    pruned at once, the two unusable ones being the newest two). A checkpoint written below
+    later ones removes those (load_latest skipped them) and is kept."""
+    import recast
+
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (5, 6):
+        checkpoints.save(run, epoch, _tensors(epoch), optim, {"opt_steps": 5, "gains_ema": None})
+        weights = tmp_path / "ckpt" / f"epoch_{epoch:04d}" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    write_lines(tmp_path / "metrics.jsonl", range(7))
+    (tmp_path / "args.json").write_text("{}")
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=run, resume=True, epochs=8)
+    with pytest.raises(SystemExit) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out.count("is unusable") == 2
+    assert err.startswith(f"recast.py: error: --resume: {run} has checkpoints, and none is usable")
+    assert f"move {run}/ckpt away to start the run over" in err
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+    checkpoints.save(run, 1, _tensors(1), optim, {"opt_steps": 5, "gains_ema": None})
+    assert os.listdir(tmp_path / "ckpt") == ["epoch_0001"]
+    assert checkpoints.load_latest(run)[2]["epoch"] == 1
+
+
+def test_checkpoints_past_epoch_9999_are_ordered_by_their_number(tmp_path):
+    """epoch_10000 sorts before epoch_9999 by name: ordered so, the prune deleted the checkpoint
+    just written and --resume took epoch 9999's. The newest two by number are kept and loaded."""
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    for epoch in (9998, 9999, 10000):
+        state = {"opt_steps": epoch, "gains_ema": None}
+        checkpoints.save(run, epoch, _tensors(epoch), optim, state)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_10000", "epoch_9999"]
+    assert checkpoints.load_latest(run)[2]["epoch"] == 10000
+    assert checkpoints.newest(run) == os.path.join(run, "ckpt", "epoch_10000")
+
+
 def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     tmp_path, monkeypatch, capsys
 ):
@@ -302,6 +371,85 @@ def test_a_full_disk_while_writing_a_json_file_keeps_the_old_one_whole(
     assert f"could not write profile.json in {tmp_path}: the disk holding it is full" in message
     assert (tmp_path / "profile.json").read_bytes() == before
     assert os.listdir(tmp_path) == ["profile.json"]  # the half-written temporary file is removed
+
+
+def test_a_full_disk_while_a_new_run_writes_its_args_json_says_start_it_again(
+    tmp_path, monkeypatch
+):
+    """A new run's args.json refused: the folder holds no run (its lock, no args.json), so the
+    line says to start it again with the same command, not --resume (which would find no run),
+    and that command is let into the folder."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    monkeypatch.setattr(rundir, "_locks", {})
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=str(tmp_path / "run"))
+    full_disk(monkeypatch, "args.json.tmp", 10)
+    with pytest.raises(checkpoints.WriteFailed) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    os.close(rundir._locks.pop(os.path.realpath(args.out)))
+    assert "could not write args.json in" in str(e.value) and "--resume" not in str(e.value)
+    assert "start it again with the same command" in str(e.value)
+    assert os.listdir(args.out) == [".lock"]
+    cli.check(args, 1, harness.RESUMABLE)  # no exit: the same command goes ahead
+
+
+def test_a_resume_with_epochs_below_those_done_exits_2_writing_nothing(tmp_path, capsys):
+    """--resume --epochs 2 of a run checkpointed at epoch 3: exit 2 naming --epochs, before any
+    write (it wrote args.json with epochs 2 and a summary.json giving epoch 3's eval as that of
+    2 epochs, which --export then called unfinished)."""
+    import recast
+
+    run, optim = str(tmp_path), {"state": {}, "param_groups": []}
+    checkpoints.save(run, 3, _tensors(3), optim, {"opt_steps": 15, "gains_ema": None})
+    write_lines(tmp_path / "metrics.jsonl", range(4))
+    (tmp_path / "args.json").write_text("{}")
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    args = recast.Args(lam="0.4,0.2,0.2,0.2", out=run, resume=True, epochs=2)
+    with pytest.raises(SystemExit) as e:
+        rundir.start_or_resume(args, None, None, 0)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"recast.py: error: --epochs: {run} has done 3")
+    assert "give --epochs 3 or more" in err
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
+def test_a_torn_environment_json_is_a_note_not_a_traceback(tmp_path):
+    """A resumed run whose environment.json is torn goes on (the file is a record, not its
+    state), saying that a change of environment since its start cannot be noticed; the file is
+    left as it is. It ended the resume in a JSONDecodeError traceback."""
+    (tmp_path / "environment.json").write_text('{"python": "3.1')
+    notes = []
+    rundir.keep_environment(str(tmp_path), notes.append)
+    assert len(notes) == 1 and "environment.json is unreadable (JSONDecodeError" in notes[0]
+    assert (tmp_path / "environment.json").read_text() == '{"python": "3.1'
+    (tmp_path / "environment.json").unlink()
+    rundir.keep_environment(str(tmp_path), notes.append)  # a new run's: written, no note
+    assert len(notes) == 1 and json.loads((tmp_path / "environment.json").read_text())["torch"]
+    rundir.keep_environment(str(tmp_path), notes.append)  # resumed where it started: no note
+    assert len(notes) == 1
+
+
+def test_a_stop_between_the_eval_images_renames_keeps_the_previous_set_readable(tmp_path):
+    """eval_images.save moves the previous set aside (eval_images.old), then the new one in: a run
+    stopped between the two renames has no eval_images/, and the readers (studies/judge.py,
+    comparison.py) read the previous set, whole, instead of saying the run has none; the next
+    eval puts a set back in place."""
+    from plumbing import eval_images
+
+    def images(value: float) -> torch.Tensor:
+        return torch.full((2, 3, 4, 4), value)
+
+    index = {"prompts": ["a", "b"], "noise_sha256": "0"}
+    eval_images.save(str(tmp_path), images(-1.0), 0, {"epoch": 1, **index}, rank=0)
+    os.replace(tmp_path / "eval_images", tmp_path / "eval_images.old")  # the stop, mid-swap
+    (tmp_path / "eval_images.tmp").mkdir()  # the new set, not yet in place
+    got, pixels = eval_images.load(str(tmp_path))
+    assert got["epoch"] == 1 and torch.equal(pixels, images(-1.0))
+    eval_images.save(str(tmp_path), images(1.0), 0, {"epoch": 3, **index}, rank=0)
+    assert sorted(os.listdir(tmp_path)) == ["eval_images"]
+    assert eval_images.load(str(tmp_path))[0]["epoch"] == 3
 
 
 def test_a_scripts_result_file_is_replaced_whole_or_not_at_all(tmp_path):
@@ -475,6 +623,29 @@ def test_resume_drops_a_torn_line_after_the_checkpoint_and_refuses_one_it_needs(
     assert [m["epoch"] for m in history] == list(range(kept))  # each epoch once
     printed = capsys.readouterr().out
     assert (note in printed) if note else printed == ""
+
+
+@pytest.mark.parametrize(
+    "line,said",
+    [
+        ("[1, 2]", "JSON, but not an epoch's record: a list"),
+        ('{"loss": 1.0}', "JSON, but not an epoch's record: it has no epoch"),
+        ('{"epoch": "1", "loss": 1.0}', "JSON, but not an epoch's record: its epoch is '1'"),
+    ],
+)
+def test_a_metrics_line_that_is_not_an_epochs_record_exits_2_naming_it(
+    tmp_path, capsys, line, said
+):
+    """A metrics.jsonl that something else wrote or damaged, its line 2 JSON but not an epoch's
+    record: --resume exits 2 naming the file and the line (it ended in a TypeError or KeyError
+    traceback), and the readers raise the ValueError of a line that is not JSON."""
+    (tmp_path / "metrics.jsonl").write_text(f'{{"epoch": 0}}\n{line}\n{{"epoch": 2}}\n')
+    with pytest.raises(SystemExit) as e:
+        checkpoints.resume_metrics(str(tmp_path), 2)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--resume: {tmp_path}/metrics.jsonl, line 2: {said}" in err
+    with pytest.raises(ValueError, match=f"metrics.jsonl, line 2: {re.escape(said)}"):
+        checkpoints.read_metrics(str(tmp_path))
 
 
 @pytest.mark.slow

@@ -113,6 +113,43 @@ def test_wandb_offline_logs_what_tensorboard_does_and_a_resumed_run_continues_it
         assert open(images[(name, 2)], "rb").read() == (out / f"{name}.png").read_bytes()
 
 
+def test_a_resumed_tensorboard_holds_each_epoch_once_as_metrics_jsonl_does(tmp_path):
+    """A launch logs epochs 0-3 and dies with its last checkpoint at epoch 1; the resumed launch
+    runs 2 and 3 again (other seconds) and is handed the base model's line, as recast.main does:
+    the view holds each epoch once, the resumed run's 2 and 3, as metrics.jsonl does (before, it
+    held epoch 0 twice and 2 and 3 from both launches)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from plumbing import tblog
+
+    first = tblog.TensorBoard(str(tmp_path))  # a new run: its folder is new
+    for epoch in range(4):
+        first.epoch({"epoch": epoch, "loss": float(epoch), "time/update": 1.0}, str(tmp_path))
+    first.close()
+    resumed = tblog.TensorBoard(str(tmp_path), 2)
+    resumed.epoch({"epoch": 0, "loss": 0.0}, str(tmp_path), pictures=False)
+    for epoch in (2, 3):
+        resumed.epoch({"epoch": epoch, "loss": float(epoch), "time/update": 2.0}, str(tmp_path))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, s) for s in range(4)]
+    assert [(e.step, e.value) for e in events.Scalars("time/update")] == [
+        (0, 1.0), (1, 1.0), (2, 2.0), (3, 2.0)]  # fmt: skip
+
+
+def test_a_torn_wandb_json_exits_2_naming_it(tmp_path, capsys):
+    """OUT/wandb.json that is not the run's wandb id (torn, not JSON): exit 2 naming --log and
+    the file, before wandb starts (it ended in a JSONDecodeError traceback)."""
+    from plumbing import tblog
+
+    (tmp_path / "wandb.json").write_text('{"id": "ab')
+    with pytest.raises(SystemExit) as e:
+        tblog.WandB(str(tmp_path), {})
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert f"--log: {tmp_path}/wandb.json is not the run's wandb id (JSONDecodeError" in err
+
+
 def test_log_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
     """--log wandb without wandb installed names the package; an unknown target is named with
     the known ones; nothing is written."""

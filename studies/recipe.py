@@ -125,7 +125,7 @@ def run_one(out: str, recipe: tuple, seed: int) -> str:
         return out
     cmd = [sys.executable, os.path.join(ROOT, "recast.py"), "--lambda", LAMBDA, "--weighting"]
     cmd += ["uniform", "--seed", str(seed), "--eval-every", "2", *flags(recipe), "--out", out]
-    cmd += ["--resume"] if os.path.exists(out) else []
+    cmd += ["--resume"] if os.path.isfile(os.path.join(out, "args.json")) else []  # a run
     with open(out + ".log", "a") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, cwd=ROOT,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
