@@ -18,6 +18,29 @@ from recast_kernels import renyi
 
 
 # ---------------------------------------------------------------------------------------------
+# The sampler (DESIGN §1-2)
+# ---------------------------------------------------------------------------------------------
+def test_sample_is_euler_and_keeps_each_steps_clean_prediction():
+    """recast.sample against DESIGN §1-2 written out: x_t_i+1 = x_t_i + (t_i+1 - t_i)·v and
+    x̂0_i = x_t_i - t_i·v at t_i (i = 0 … T-1), the velocity read at t_i; with t_T = 0 the last
+    prediction is the sample itself, bit for bit (why Euler's last gain is 0, DESIGN §4)."""
+    gen = torch.Generator().manual_seed(5)
+    noise, target = (torch.randn(3, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    sigmas = torch.tensor([1.0, 0.8, 0.45, 0.2, 0.0], dtype=torch.float64)
+    velocity = lambda x, c, t: (x - target) * (1 + t[:, None, None]) + c  # noqa: E731
+    x0, preds = recast.sample(velocity, noise, 0.3, sigmas)
+    x, expected = noise, []
+    for i in range(4):
+        v = (x - target) * (1 + sigmas[i]) + 0.3
+        expected.append(x - sigmas[i] * v)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+    assert preds.shape == (4, 3, 2, 4)
+    torch.testing.assert_close(preds, torch.stack(expected), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x0, x, rtol=0, atol=1e-12)
+    assert torch.equal(preds[-1], x0)
+
+
+# ---------------------------------------------------------------------------------------------
 # r (DESIGN §3)
 # ---------------------------------------------------------------------------------------------
 def test_group_optimality():
