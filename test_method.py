@@ -163,6 +163,19 @@ def test_a_flat_group_gets_exactly_one_half_under_every_rule(rule):
         assert (r[1, 8:16] == 0.5).all()
 
 
+def test_joint_gives_one_half_where_the_weighted_sum_is_constant():
+    """DESIGN §3: under joint a group whose λ-weighted sum is constant gets r = 1/2 for every
+    reward, even where the rewards themselves vary (here they cancel), as the summed reward does;
+    (s - mean)/1e-4 would otherwise give them advantages of thousands."""
+    lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    scores = _scores()[:2].clone()
+    scores[1, 8:16] = -scores[0, 8:16]  # group 1: 0.5·s_0 + 0.5·s_1 = 0 exactly, both vary
+    assert scores[0, 8:16].std() > 0.1 and (lam @ scores[:, 8:16] == 0).all()
+    r = recast.joint_optimality(scores, lam, 8)
+    assert (r[:, 8:16] == 0.5).all()
+    assert (r[:, 16:] != 0.5).any()  # the other groups train
+
+
 def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
     unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""
