@@ -240,6 +240,24 @@ def test_weights_follow_the_gains():
     assert prof.min() >= 0.1 / 10 - 1e-12
 
 
+@pytest.mark.parametrize("shift", [0, 1])
+def test_profiles_clip_negative_gains_and_a_reward_without_gain_is_flat(shift):
+    """DESIGN §4-5: negative gains count as 0 in the profile, and a reward with no positive gain
+    in any column has no timing to follow: its profile is 1/T in every column, the first S
+    included (not the floor ε_f / T that a column without gain gets in another reward's profile)."""
+    g = _random_gains(8).double()
+    g[0, 3] = -0.7  # a negative gain: as if it were 0
+    g[1] = -_random_gains(9)[1].double()  # no positive gain anywhere
+    g[2, 0] = -2.0
+    clipped = g.clamp(min=0)
+    p = gain_profiles(g, 0.1, shift)
+    torch.testing.assert_close(p, gain_profiles(clipped, 0.1, shift), rtol=0, atol=0)
+    assert (p[1] == 1 / 10).all()
+    expected = 0.9 * shift_gains(clipped[0:1], shift) / clipped[0, : 10 - shift].sum() + 0.01
+    torch.testing.assert_close(p[0:1], expected, rtol=1e-15, atol=0)
+    assert (p[[0, 2, 3], :shift] == 0.01).all()
+
+
 def test_zero_budget_reward_gets_no_weight():
     W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
     assert W[1].abs().max() == 0
