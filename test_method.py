@@ -264,6 +264,35 @@ def test_zero_budget_reward_gets_no_weight():
     assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
 
 
+def test_weights_smooth_the_gains_with_their_ema_and_uniform_is_static():
+    """recast.weights (DESIGN §4-5): this epoch's gains are renyi_gains of the step scores, the
+    EMA is --gain-ema·previous + (1 - --gain-ema)·this epoch's (the first epoch: its own gains),
+    W is recast_weights of the EMA; the metrics log this epoch's D and gains, not the EMA.
+    --weighting uniform's W is λ/T and leaves the EMA as it was."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(4, 7, 24, generator=gen) * torch.linspace(0.2, 1.0, 7)[:, None]
+    args = SimpleNamespace(steps=6, group_size=8, alpha=2.0, adv_clip_max=5.0, gain_ema=0.8,
+                           tau=1.0, floor=0.1, gain_shift=1, weighting="recast")  # fmt: skip
+    run = SimpleNamespace(args=args, names=list("abcd"), lam=LAM.double(), observe=nullcontext)
+    D, gains = renyi.reference_renyi_gains(scores, 8, 2.0, 5.0)  # the kernel's, to fp32
+    previous = _random_gains(10, T=6).double()
+    metrics = {}
+    W, ema = recast.weights(run, scores, previous, metrics)
+    logged = torch.tensor(metrics["gains"], dtype=torch.float64)
+    torch.testing.assert_close(logged, gains.double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(metrics["D"]), D, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ema, 0.8 * previous + 0.2 * logged, rtol=1e-15, atol=0)
+    assert torch.equal(W, recast_weights(ema, LAM, 1.0, 0.1, 1))
+    W, first = recast.weights(run, scores, None, {})
+    assert torch.equal(first, logged)
+    args.weighting = "uniform"
+    W, kept = recast.weights(run, None, previous, {})
+    assert kept is previous and torch.equal(W, (LAM[:, None] / 6).expand(4, 6))
+
+
 # ---------------------------------------------------------------------------------------------
 # --gain-shift S: W column i reads the gain of step i - S (DESIGN §4, alignment)
 # ---------------------------------------------------------------------------------------------
