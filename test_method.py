@@ -390,6 +390,27 @@ def test_readable_loss_sees_every_input():
 
 
 # ---------------------------------------------------------------------------------------------
+# The old policy (DESIGN §6)
+# ---------------------------------------------------------------------------------------------
+def test_old_policy_decay_rises_with_the_optimizer_steps_to_its_cap():
+    """d = min(--decay-rate · optimizer steps, --decay-cap), and the toy world's
+    θ_old ← d·θ_old + (1 - d)·θ (the diffusers world's is tested in test_recast.py)."""
+    from types import SimpleNamespace
+
+    from worlds import toyworld
+
+    theta, old = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in old.parameters()]
+    world = SimpleNamespace(trainable=theta, old_model=old)
+    world.update_old = lambda d: toyworld.ToyWorld.update_old(world, d)
+    run = SimpleNamespace(args=SimpleNamespace(decay_rate=0.001, decay_cap=0.5), world=world)
+    assert recast.update_old(run, 300) == pytest.approx(0.3)
+    for p_old, p, b in zip(old.parameters(), theta.parameters(), before, strict=True):
+        torch.testing.assert_close(p_old.detach(), 0.3 * b + 0.7 * p.detach())
+    assert recast.update_old(run, 2000) == 0.5 and recast.update_old(run, 0) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
 # The flags: the defaults --help shows are the defaults that run
 # ---------------------------------------------------------------------------------------------
 FILLED = {  # the flags harness.scoring_defaults may set → what their `default:` line must name
