@@ -378,6 +378,23 @@ def test_readable_loss_is_the_kernels_reference(seed, kl, dtype):
     assert loss_a != 0 and grad_a.abs().max() > 0
 
 
+def test_readable_loss_reads_c_from_ws_column():
+    """DESIGN §6's c = Σ_k W_k,i, the clamp's top and the negative term's weight, read from W's
+    column rather than assumed 1/T (the test above has W's columns summing to 1/T, where the two
+    agree): a W whose columns sum to anything gives reference_nft_loss's loss and gradient."""
+    v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(5)
+    W = W * torch.linspace(0.3, 4.0, W.shape[1])  # column sums 0.3/T … 4/T
+    got = []
+    for fn in (recast.nft_loss_readable, kernel_loss.reference_nft_loss):
+        v = v_theta.clone().requires_grad_()
+        loss = fn(v, v_old, x0, noise, t, t_index, r, W, 0.3, 5.0)
+        loss.backward()
+        got.append((loss.detach(), v.grad))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=4e-7, atol=0)
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=4e-7,
+                               atol=4e-7 * got[1][1].abs().max().item())  # fmt: skip
+
+
 def test_readable_loss_sees_every_input():
     """A mutation check of the comparison above: the readable loss moves with r, W, t and β."""
     v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(4)
