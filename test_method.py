@@ -176,6 +176,38 @@ def test_joint_gives_one_half_where_the_weighted_sum_is_constant():
     assert (r[:, 16:] != 0.5).any()  # the other groups train
 
 
+def test_unit_joint_divides_by_batchs_pooled_spread():
+    """σ_k of batch and unit-joint (DESIGN §3) written out: √(mean over groups of the population
+    variance), a flat group counting 0; unit-joint is joint of s_k / σ_k. (The units tests above
+    cannot see which spread divides: any σ that scales with the reward's units passes them.)"""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    scores = _scores()
+    var = scores.unflatten(1, (-1, 8)).var(-1, correction=0)  # (K, M), 0 in the flat groups
+    sigma = var.mean(1).sqrt()
+    torch.testing.assert_close(recast.pooled_spread(scores, 8)[:, 0], sigma, rtol=1e-14, atol=0)
+    torch.testing.assert_close(_r("unit-joint", scores, lam),
+                               recast.joint_optimality(scores / sigma[:, None], lam, 8),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    A = 10 * (_r("batch", scores, lam) - 0.5)  # batch's advantage: centred over σ_k + 1e-4
+    centred = scores.unflatten(1, (-1, 8)) - scores.unflatten(1, (-1, 8)).mean(-1, keepdim=True)
+    torch.testing.assert_close(A, (centred / (sigma[:, None, None] + 1e-4)).flatten(1),
+                               rtol=0, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["per-reward", "batch", "joint", "unit-joint"])
+def test_signal_share_is_lambda_times_the_advantages_spread(rule):
+    """DESIGN §3, what λ weighs: harness.signal_share is λ_k × mean over groups of the
+    within-group spread of A_k, summed to 1, with A_k the advantage recast.optimality trains on
+    under `rule` (G = 8: |A| ≤ √7, no clip binds). The share is computed from the scores, not
+    from r, so a rule's formula can drift apart from the loop's: here they are held together."""
+    lam = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    scores = _scores()
+    A = 10 * (_r(rule, scores, lam) - 0.5)  # A_max = 5
+    weight = lam * A.unflatten(1, (-1, 8)).std(-1, correction=0).mean(1)
+    share = harness.signal_share(scores, lam, 8, rule)
+    torch.testing.assert_close(share, weight / weight.sum(), rtol=1e-9, atol=0)
+
+
 def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
     unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""
