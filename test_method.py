@@ -438,6 +438,44 @@ def test_readable_loss_sees_every_input():
         assert not torch.isclose(other, base), changed
 
 
+def test_pair_loss_noises_each_image_to_its_own_timestep():
+    """recast.pair_loss (DESIGN §1, §6): pair (n, i) noises image n to t_i (the sampler's
+    schedule at the pair's timestep index, which also picks W's column), x_t = (1 - t_i)·x0_n +
+    t_i·ε, reads the three policies there with image n's prompt (n // G) and r of image n; the
+    loss is the sum over the pairs. Written out with nft_loss_readable."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(9)
+    K, T, G, N = 3, 5, 4, 12
+    x0, eps = torch.randn(N, 2, 3, generator=gen), torch.randn(5, 2, 3, generator=gen)
+    cond = (torch.randn(N // G, 2, 3, generator=gen),)
+    scale = torch.tensor(1.5, requires_grad=True)
+    speed = {"policy": scale, "old": torch.tensor(1.2), "ref": torch.tensor(0.7)}
+
+    def v(which, x, c, t):  # a velocity that reads the state, the prompt and the time
+        return speed[which] * x - c[0] * t[:, None, None]
+
+    sigmas = torch.tensor([1.0, 0.9, 0.7, 0.4, 0.15, 0.0])
+    args = SimpleNamespace(group_size=G, beta=0.3, adv_clip_max=5.0, kl_coef=0.5)
+    run = SimpleNamespace(args=args, sigmas=sigmas, nft_loss=recast.nft_loss_readable,
+                          observe=lambda name: nullcontext(),
+                          world=SimpleNamespace(v=v, device=torch.device("cpu")))  # fmt: skip
+    r = torch.rand(K, N, generator=gen)
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    n, i = torch.tensor([7, 0, 11, 4, 5]), torch.tensor([3, 0, 1, 4, 3])
+    got = recast.pair_loss(run, x0, cond, r, W, n, i, eps)
+    t = sigmas[i]  # t_i: the model at t_i makes the step t_i → t_i+1
+    x_t = (1 - t[:, None, None]) * x0[n] + t[:, None, None] * eps
+    c = (cond[0][n // G],)
+    expected = len(n) * recast.nft_loss_readable(
+        v("policy", x_t, c, t), v("old", x_t, c, t), x0[n], eps, t, i, r[:, n].T, W, 0.3, 5.0,
+        v("ref", x_t, c, t), 0.5)  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    other = recast.pair_loss(run, x0, cond, r, W, n, i.flip(0), eps)
+    assert not torch.isclose(other, got)  # the timestep index matters
+
+
 # ---------------------------------------------------------------------------------------------
 # The old policy (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
