@@ -1,8 +1,10 @@
-"""Tests of the method's formulas written out in recast.py: the optimality r of DESIGN §3 (each
-reward's own, and the same r that the gains kernel computes inside), the weight matrix W of
-DESIGN §5 (gain_profiles, recast_weights, --gain-shift), and the readable NFT loss of DESIGN §6
-against the fused kernel's own reference (the kernel is tested against that reference in
-kernels/test_nft_loss.py). Also: the flags' displayed defaults are the ones that run."""
+"""Tests of the method's formulas written out in recast.py: the sampler and its step predictions
+of DESIGN §1-2, the step scores the gains read (§4), the optimality r of §3 (each reward's own,
+the same r that the gains kernel computes inside, and each reward's share of the signal), the
+gains' EMA and the weight matrix W of §5 (gain_profiles, recast_weights, --gain-shift), the
+readable NFT loss of §6 against the fused kernel's own reference (the kernel is tested against
+that reference in kernels/test_nft_loss.py), each pair's noising, and the old policy's EMA.
+Also: the flags' displayed defaults are the ones that run."""
 
 import math
 
@@ -18,7 +20,7 @@ from recast_kernels import renyi
 
 
 # ---------------------------------------------------------------------------------------------
-# The sampler (DESIGN §1-2)
+# The sampler and the step scores it leaves (DESIGN §1-2, §4)
 # ---------------------------------------------------------------------------------------------
 def test_sample_is_euler_and_keeps_each_steps_clean_prediction():
     """recast.sample against DESIGN §1-2 written out: x_t_i+1 = x_t_i + (t_i+1 - t_i)·v and
@@ -38,6 +40,24 @@ def test_sample_is_euler_and_keeps_each_steps_clean_prediction():
     torch.testing.assert_close(preds, torch.stack(expected), rtol=0, atol=1e-12)
     torch.testing.assert_close(x0, x, rtol=0, atol=1e-12)
     assert torch.equal(preds[-1], x0)
+
+
+def test_trajectory_scores_put_step_is_prediction_in_column_i():
+    """recast.trajectory_scores (DESIGN §4): (K, T+1, n), column i reward k's score of the step-i
+    prediction x̂0_i for i = 1 … T-1, column T the final scores as given, column 0 left 0 (the
+    prediction from pure noise is never read: D_k,0 := 0), each prediction decoded first."""
+    gen = torch.Generator().manual_seed(2)
+    preds = torch.arange(4.0)[:, None, None, None] + torch.rand(4, 3, 2, 2, generator=gen)  # T=4
+    fns = {"mean": lambda x, p: x.mean((1, 2)), "first": lambda x, p: x[:, 0, 0]}
+    final = torch.tensor([[7.0, 8.0, 9.0], [1.0, 2.0, 3.0]])
+    decoded = []
+    got = recast.trajectory_scores(fns, lambda x: decoded.append(1) or 2 * x, preds, final,
+                                   ["a", "b", "c"])  # fmt: skip
+    assert got.shape == (2, 5, 3) and len(decoded) == 3  # steps 1 … T-1, once each
+    assert (got[:, 0] == 0).all() and torch.equal(got[:, 4], final)
+    for i in range(1, 4):
+        assert torch.equal(got[0, i], (2 * preds[i]).mean((1, 2)))
+        assert torch.equal(got[1, i], 2 * preds[i, :, 0, 0])
 
 
 # ---------------------------------------------------------------------------------------------
