@@ -269,6 +269,21 @@ def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
     assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
 
 
+@pytest.mark.parametrize("tau, shift", [(0.5, 1), (1.0, 0), (2.0, 1), (0.25, 2)])
+def test_w_is_the_kernel_scaled_by_rows_and_columns(tau, shift):
+    """DESIGN §5: W is a Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ), i.e. W = diag(a)·M·diag(b):
+    log W - log M is u_k + v_i, which with the marginals fixes W. Pins the kernel itself (where
+    τ enters: on the floored profile, not on the gains), which the marginals and the limits
+    τ → ∞ and equal profiles leave free."""
+    g = _random_gains(11)
+    W = recast_weights(g, LAM, tau=tau, shift=shift).double()
+    log_m = LAM.double().log()[:, None] + gain_profiles(g, 0.1, shift).log() / tau
+    L = W.log() - log_m
+    residual = L - L[:, :1] - L[:1, :] + L[0, 0]  # 0 where L = u_k + v_i
+    assert residual.abs().max() < 1e-5  # W is fp32
+    torch.testing.assert_close(W.sum(1), LAM.double(), rtol=0, atol=1e-6)
+
+
 def test_raising_a_gain_never_lowers_its_own_weight():
     g = _random_gains(3)
     for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
