@@ -511,6 +511,57 @@ def test_pair_loss_noises_each_image_to_its_own_timestep():
     assert not torch.isclose(other, got)  # the timestep index matters
 
 
+def test_an_optimizer_steps_gradient_is_the_mean_over_its_pairs():
+    """recast.nft_update (DESIGN §6): round(--train-frac·N·T) of the epoch's pairs, drawn with
+    the epoch's generator, in micro-batches of --batch-size, --grad-accum of them per optimizer
+    step; each step's gradient is the mean over its own pairs (a short last step's too), and the
+    loss returned is the mean over micro-batches of their mean. Here 10 pairs, 4 a micro-batch,
+    2 micro-batches a step: steps of 8 and 2 pairs."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from plumbing.seeding import epoch_generator
+
+    K, T, G, N = 2, 4, 3, 6
+    gen = torch.Generator().manual_seed(12)
+    x0, r = torch.randn(N, 2, 2, generator=gen), torch.rand(K, N, generator=gen)
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    theta = torch.tensor(1.3, requires_grad=True)
+    words = {"a": torch.ones(2, 2), "b": -torch.ones(2, 2)}
+    speed = {"policy": theta, "old": torch.tensor(1.1), "ref": torch.tensor(0.9)}
+    world = SimpleNamespace(
+        v=lambda which, x, c, t: speed[which] * x - c[0] * t[:, None, None],
+        encode=lambda prompts: (torch.stack([words[p] for p in prompts]),),
+        latent_shape=(2, 2), device=torch.device("cpu"), policy=None)  # fmt: skip
+    grads = []
+    optimizer = SimpleNamespace(
+        step=lambda: grads.append(theta.grad.clone()),
+        zero_grad=lambda set_to_none: setattr(theta, "grad", None),
+    )
+    args = SimpleNamespace(steps=T, seed=3, train_frac=10 / 24, batch_size=4, grad_accum=2,
+                           grad_clip=1e9, beta=0.3, adv_clip_max=5.0, kl_coef=0.2,
+                           group_size=G, weighting="recast", out="")  # fmt: skip
+    run = SimpleNamespace(args=args, world=world, sigmas=torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0]),
+                          nft_loss=recast.nft_loss_readable, observe=lambda name: nullcontext(),
+                          progress=lambda starts, desc: starts, share=lambda n: slice(0, n),
+                          world_size=1, optimizer=optimizer, params=[theta])  # fmt: skip
+    loss, steps = recast.nft_update(run, 2, ["a", "b"], x0, r, W, 5)
+    assert steps == 7 and len(grads) == 2
+    g = epoch_generator(3, 2, 2)
+    pairs = torch.randperm(N * T, generator=g)[:10]
+    cond, means, expected = world.encode(["a", "b"]), [], []
+    for step in (pairs[:8], pairs[8:]):
+        total = 0
+        for batch in step.split(4):
+            eps = torch.randn(len(batch), 2, 2, generator=g)
+            pair_sum = recast.pair_loss(run, x0, cond, r, W, batch // T, batch % T, eps)
+            means.append(pair_sum.detach() / len(batch))
+            total = total + pair_sum
+        expected.append(torch.autograd.grad(total / len(step), theta)[0])
+    torch.testing.assert_close(torch.stack(grads), torch.stack(expected), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, torch.stack(means).mean(), rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # The old policy (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
