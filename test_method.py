@@ -228,6 +228,33 @@ def test_signal_share_is_lambda_times_the_advantages_spread(rule):
     torch.testing.assert_close(share, weight / weight.sum(), rtol=1e-9, atol=0)
 
 
+def test_unit_joint_gains_read_the_step_scores_in_no_units():
+    """DESIGN §3: under unit-joint the gains read the step scores divided by σ_k of the epoch's
+    final scores (recast.gain_scores), so their 1e-4 guard too meets numbers in no units: the
+    gains of a reward written in units where it spreads 5e-4 are its gains in any other. Under
+    joint the step scores are read as scored and those units cost the gains their guard's share."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(13)
+    K, T, G, M = 2, 4, 8, 6
+    final = torch.randn(K, G * M, generator=gen, dtype=torch.float64)
+    steps = final[:, None] * torch.linspace(0, 1, T + 1, dtype=torch.float64)[:, None]
+    steps = steps + 0.5 * torch.randn(K, T + 1, G * M, generator=gen, dtype=torch.float64)
+    steps[:, -1] = final
+    c = torch.tensor([1e3, 5e-4], dtype=torch.float64)[:, None]  # reward 1 now spreads ~5e-4
+
+    def gains(normalize, units):
+        run = SimpleNamespace(args=SimpleNamespace(normalize=normalize, group_size=G))
+        scored = recast.gain_scores(run, units[:, None] * steps + 3.0, units * final + 3.0)
+        return renyi.reference_renyi_gains(scored, G)[1].double()
+
+    one = torch.ones(2, 1, dtype=torch.float64)
+    native = gains("unit-joint", one)
+    assert native.abs().max() > 0.01
+    torch.testing.assert_close(gains("unit-joint", c), native, rtol=0, atol=1e-6)
+    assert (gains("joint", c) - gains("joint", one))[1].abs().max() > 1e-3
+
+
 def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
     unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""
