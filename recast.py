@@ -292,8 +292,10 @@ def joint_optimality(final: torch.Tensor, lam: torch.Tensor, group_size: int,
     group spread of the λ-weighted sum Σ_k λ_k s_k instead of its own:
     A_k = (s_k - mean_group s_k) / (std_group Σ_k λ_k s_k + 1e-4), r_k = 1/2 + A_k / (2 A_max).
     Not clipped per reward: Σ_k λ_k A_k is the summed reward's advantage, and the loss clamps the
-    mix r̄ to [0, 1], so W = λ/T gives the summed reward's r̄ exactly. A group whose summed score
-    is constant gets r = 1/2 for every reward, as the summed reward does."""
+    mix r̄ to [0, 1], so W = λ/T gives the summed reward's r̄ (to float rounding). A group whose
+    summed score is constant gets r = 1/2 for every reward, as the summed reward does. λ (K,) is
+    read as given, summing to 1 as run.lam does (recast_weights normalises its λ; scaling λ here
+    scales the spread that divides)."""
     summed = (lam.to(final) @ final).unflatten(-1, (-1, group_size))  # (M, G)
     s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
     std = summed.std(-1, correction=0, keepdim=True)

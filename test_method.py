@@ -1,8 +1,10 @@
-"""Tests of the method's formulas written out in recast.py: the optimality r of DESIGN §3 (each
-reward's own, and the same r that the gains kernel computes inside), the weight matrix W of
-DESIGN §5 (gain_profiles, recast_weights, --gain-shift), and the readable NFT loss of DESIGN §6
-against the fused kernel's own reference (the kernel is tested against that reference in
-kernels/test_nft_loss.py). Also: the flags' displayed defaults are the ones that run."""
+"""Tests of the method's formulas written out in recast.py: the sampler and its step predictions
+of DESIGN §1-2, the step scores the gains read (§4), the optimality r of §3 (each reward's own,
+the same r that the gains kernel computes inside, and each reward's share of the signal), the
+gains' EMA and the weight matrix W of §5 (gain_profiles, recast_weights, --gain-shift), the
+readable NFT loss of §6 against the fused kernel's own reference (the kernel is tested against
+that reference in kernels/test_nft_loss.py), each pair's noising, and the old policy's EMA.
+Also: the flags' displayed defaults are the ones that run."""
 
 import math
 
@@ -15,6 +17,47 @@ from plumbing import cli
 from recast import gain_profiles, recast_weights, shift_gains
 from recast_kernels import nft_loss as kernel_loss
 from recast_kernels import renyi
+
+
+# ---------------------------------------------------------------------------------------------
+# The sampler and the step scores it leaves (DESIGN §1-2, §4)
+# ---------------------------------------------------------------------------------------------
+def test_sample_is_euler_and_keeps_each_steps_clean_prediction():
+    """recast.sample against DESIGN §1-2 written out: x_t_i+1 = x_t_i + (t_i+1 - t_i)·v and
+    x̂0_i = x_t_i - t_i·v at t_i (i = 0 … T-1), the velocity read at t_i; with t_T = 0 the last
+    prediction is the sample itself, bit for bit (why Euler's last gain is 0, DESIGN §4)."""
+    gen = torch.Generator().manual_seed(5)
+    noise, target = (torch.randn(3, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    sigmas = torch.tensor([1.0, 0.8, 0.45, 0.2, 0.0], dtype=torch.float64)
+    velocity = lambda x, c, t: (x - target) * (1 + t[:, None, None]) + c  # noqa: E731
+    x0, preds = recast.sample(velocity, noise, 0.3, sigmas)
+    x, expected = noise, []
+    for i in range(4):
+        v = (x - target) * (1 + sigmas[i]) + 0.3
+        expected.append(x - sigmas[i] * v)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+    assert preds.shape == (4, 3, 2, 4)
+    torch.testing.assert_close(preds, torch.stack(expected), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x0, x, rtol=0, atol=1e-12)
+    assert torch.equal(preds[-1], x0)
+
+
+def test_trajectory_scores_put_step_is_prediction_in_column_i():
+    """recast.trajectory_scores (DESIGN §4): (K, T+1, n), column i reward k's score of the step-i
+    prediction x̂0_i for i = 1 … T-1, column T the final scores as given, column 0 left 0 (the
+    prediction from pure noise is never read: D_k,0 := 0), each prediction decoded first."""
+    gen = torch.Generator().manual_seed(2)
+    preds = torch.arange(4.0)[:, None, None, None] + torch.rand(4, 3, 2, 2, generator=gen)  # T=4
+    fns = {"mean": lambda x, p: x.mean((1, 2)), "first": lambda x, p: x[:, 0, 0]}
+    final = torch.tensor([[7.0, 8.0, 9.0], [1.0, 2.0, 3.0]])
+    decoded = []
+    got = recast.trajectory_scores(fns, lambda x: decoded.append(1) or 2 * x, preds, final,
+                                   ["a", "b", "c"])  # fmt: skip
+    assert got.shape == (2, 5, 3) and len(decoded) == 3  # steps 1 … T-1, once each
+    assert (got[:, 0] == 0).all() and torch.equal(got[:, 4], final)
+    for i in range(1, 4):
+        assert torch.equal(got[0, i], (2 * preds[i]).mean((1, 2)))
+        assert torch.equal(got[1, i], 2 * preds[i, :, 0, 0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +183,78 @@ def test_a_flat_group_gets_exactly_one_half_under_every_rule(rule):
         assert (r[1, 8:16] == 0.5).all()
 
 
+def test_joint_gives_one_half_where_the_weighted_sum_is_constant():
+    """DESIGN §3: under joint a group whose λ-weighted sum is constant gets r = 1/2 for every
+    reward, even where the rewards themselves vary (here they cancel), as the summed reward does;
+    (s - mean)/1e-4 would otherwise give them advantages of thousands."""
+    lam = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    scores = _scores()[:2].clone()
+    scores[1, 8:16] = -scores[0, 8:16]  # group 1: 0.5·s_0 + 0.5·s_1 = 0 exactly, both vary
+    assert scores[0, 8:16].std() > 0.1 and (lam @ scores[:, 8:16] == 0).all()
+    r = recast.joint_optimality(scores, lam, 8)
+    assert (r[:, 8:16] == 0.5).all()
+    assert (r[:, 16:] != 0.5).any()  # the other groups train
+
+
+def test_unit_joint_divides_by_batchs_pooled_spread():
+    """σ_k of batch and unit-joint (DESIGN §3) written out: √(mean over groups of the population
+    variance), a flat group counting 0; unit-joint is joint of s_k / σ_k. (The units tests above
+    cannot see which spread divides: any σ that scales with the reward's units passes them.)"""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64)
+    scores = _scores()
+    var = scores.unflatten(1, (-1, 8)).var(-1, correction=0)  # (K, M), 0 in the flat groups
+    sigma = var.mean(1).sqrt()
+    torch.testing.assert_close(recast.pooled_spread(scores, 8)[:, 0], sigma, rtol=1e-14, atol=0)
+    torch.testing.assert_close(_r("unit-joint", scores, lam),
+                               recast.joint_optimality(scores / sigma[:, None], lam, 8),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    A = 10 * (_r("batch", scores, lam) - 0.5)  # batch's advantage: centred over σ_k + 1e-4
+    centred = scores.unflatten(1, (-1, 8)) - scores.unflatten(1, (-1, 8)).mean(-1, keepdim=True)
+    torch.testing.assert_close(A, (centred / (sigma[:, None, None] + 1e-4)).flatten(1),
+                               rtol=0, atol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["per-reward", "batch", "joint", "unit-joint"])
+def test_signal_share_is_lambda_times_the_advantages_spread(rule):
+    """DESIGN §3, what λ weighs: harness.signal_share is λ_k × mean over groups of the
+    within-group spread of A_k, summed to 1, with A_k the advantage recast.optimality trains on
+    under `rule` (G = 8: |A| ≤ √7, no clip binds). The share is computed from the scores, not
+    from r, so a rule's formula can drift apart from the loop's: here they are held together."""
+    lam = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    scores = _scores()
+    A = 10 * (_r(rule, scores, lam) - 0.5)  # A_max = 5
+    weight = lam * A.unflatten(1, (-1, 8)).std(-1, correction=0).mean(1)
+    share = harness.signal_share(scores, lam, 8, rule)
+    torch.testing.assert_close(share, weight / weight.sum(), rtol=1e-9, atol=0)
+
+
+def test_unit_joint_gains_read_the_step_scores_in_no_units():
+    """DESIGN §3: under unit-joint the gains read the step scores divided by σ_k of the epoch's
+    final scores (recast.gain_scores), so their 1e-4 guard too meets numbers in no units: the
+    gains of a reward written in units where it spreads 5e-4 are its gains in any other. Under
+    joint the step scores are read as scored and those units cost the gains their guard's share."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(13)
+    K, T, G, M = 2, 4, 8, 6
+    final = torch.randn(K, G * M, generator=gen, dtype=torch.float64)
+    steps = final[:, None] * torch.linspace(0, 1, T + 1, dtype=torch.float64)[:, None]
+    steps = steps + 0.5 * torch.randn(K, T + 1, G * M, generator=gen, dtype=torch.float64)
+    steps[:, -1] = final
+    c = torch.tensor([1e3, 5e-4], dtype=torch.float64)[:, None]  # reward 1 now spreads ~5e-4
+
+    def gains(normalize, units):
+        run = SimpleNamespace(args=SimpleNamespace(normalize=normalize, group_size=G))
+        scored = recast.gain_scores(run, units[:, None] * steps + 3.0, units * final + 3.0)
+        return renyi.reference_renyi_gains(scored, G)[1].double()
+
+    one = torch.ones(2, 1, dtype=torch.float64)
+    native = gains("unit-joint", one)
+    assert native.abs().max() > 0.01
+    torch.testing.assert_close(gains("unit-joint", c), native, rtol=0, atol=1e-6)
+    assert (gains("joint", c) - gains("joint", one))[1].abs().max() > 1e-3
+
+
 def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     """W = λ/T under unit-joint gives the advantage of Σ_k λ_k s_k / σ_k, the summed reward of the
     unit-free scores (--weighting sum --normalize unit-joint), as joint does for the raw sum."""
@@ -181,6 +296,21 @@ def test_equal_profiles_zero_gains_and_high_temperature_give_static_weights():
     assert not torch.allclose(recast_weights(_random_gains(2), LAM), static, atol=1e-3)
 
 
+@pytest.mark.parametrize("tau, shift", [(0.5, 1), (1.0, 0), (2.0, 1), (0.25, 2)])
+def test_w_is_the_kernel_scaled_by_rows_and_columns(tau, shift):
+    """DESIGN §5: W is a Sinkhorn scaling of M_k,i = λ_k·p_k,i^(1/τ), i.e. W = diag(a)·M·diag(b):
+    log W - log M is u_k + v_i, which with the marginals fixes W. Pins the kernel itself (where
+    τ enters: on the floored profile, not on the gains), which the marginals and the limits
+    τ → ∞ and equal profiles leave free."""
+    g = _random_gains(11)
+    W = recast_weights(g, LAM, tau=tau, shift=shift).double()
+    log_m = LAM.double().log()[:, None] + gain_profiles(g, 0.1, shift).log() / tau
+    L = W.log() - log_m
+    residual = L - L[:, :1] - L[:1, :] + L[0, 0]  # 0 where L = u_k + v_i
+    assert residual.abs().max() < 1e-5  # W is fp32
+    torch.testing.assert_close(W.sum(1), LAM.double(), rtol=0, atol=1e-6)
+
+
 def test_raising_a_gain_never_lowers_its_own_weight():
     g = _random_gains(3)
     for k, i in [(0, 0), (1, 5), (3, 9), (2, 2)]:
@@ -204,10 +334,57 @@ def test_weights_follow_the_gains():
     assert prof.min() >= 0.1 / 10 - 1e-12
 
 
+@pytest.mark.parametrize("shift", [0, 1])
+def test_profiles_clip_negative_gains_and_a_reward_without_gain_is_flat(shift):
+    """DESIGN §4-5: negative gains count as 0 in the profile, and a reward with no positive gain
+    in any column has no timing to follow: its profile is 1/T in every column, the first S
+    included (not the floor ε_f / T that a column without gain gets in another reward's profile)."""
+    g = _random_gains(8).double()
+    g[0, 3] = -0.7  # a negative gain: as if it were 0
+    g[1] = -_random_gains(9)[1].double()  # no positive gain anywhere
+    g[2, 0] = -2.0
+    clipped = g.clamp(min=0)
+    p = gain_profiles(g, 0.1, shift)
+    torch.testing.assert_close(p, gain_profiles(clipped, 0.1, shift), rtol=0, atol=0)
+    assert (p[1] == 1 / 10).all()
+    expected = 0.9 * shift_gains(clipped[0:1], shift) / clipped[0, : 10 - shift].sum() + 0.01
+    torch.testing.assert_close(p[0:1], expected, rtol=1e-15, atol=0)
+    assert (p[[0, 2, 3], :shift] == 0.01).all()
+
+
 def test_zero_budget_reward_gets_no_weight():
     W = recast_weights(_random_gains(4), torch.tensor([0.5, 0.0, 0.25, 0.25]))
     assert W[1].abs().max() == 0
     assert torch.allclose(W.double().sum(0), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-6)
+
+
+def test_weights_smooth_the_gains_with_their_ema_and_uniform_is_static():
+    """recast.weights (DESIGN §4-5): this epoch's gains are renyi_gains of the step scores, the
+    EMA is --gain-ema·previous + (1 - --gain-ema)·this epoch's (the first epoch: its own gains),
+    W is recast_weights of the EMA; the metrics log this epoch's D and gains, not the EMA.
+    --weighting uniform's W is λ/T and leaves the EMA as it was."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(4, 7, 24, generator=gen) * torch.linspace(0.2, 1.0, 7)[:, None]
+    args = SimpleNamespace(steps=6, group_size=8, alpha=2.0, adv_clip_max=5.0, gain_ema=0.8,
+                           tau=1.0, floor=0.1, gain_shift=1, weighting="recast")  # fmt: skip
+    run = SimpleNamespace(args=args, names=list("abcd"), lam=LAM.double(), observe=nullcontext)
+    D, gains = renyi.reference_renyi_gains(scores, 8, 2.0, 5.0)  # the kernel's, to fp32
+    previous = _random_gains(10, T=6).double()
+    metrics = {}
+    W, ema = recast.weights(run, scores, previous, metrics)
+    logged = torch.tensor(metrics["gains"], dtype=torch.float64)
+    torch.testing.assert_close(logged, gains.double(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(metrics["D"]), D, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ema, 0.8 * previous + 0.2 * logged, rtol=1e-15, atol=0)
+    assert torch.equal(W, recast_weights(ema, LAM, 1.0, 0.1, 1))
+    W, first = recast.weights(run, scores, None, {})
+    assert torch.equal(first, logged)
+    args.weighting = "uniform"
+    W, kept = recast.weights(run, None, previous, {})
+    assert kept is previous and torch.equal(W, (LAM[:, None] / 6).expand(4, 6))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +472,23 @@ def test_readable_loss_is_the_kernels_reference(seed, kl, dtype):
     assert loss_a != 0 and grad_a.abs().max() > 0
 
 
+def test_readable_loss_reads_c_from_ws_column():
+    """DESIGN §6's c = Σ_k W_k,i, the clamp's top and the negative term's weight, read from W's
+    column rather than assumed 1/T (the test above has W's columns summing to 1/T, where the two
+    agree): a W whose columns sum to anything gives reference_nft_loss's loss and gradient."""
+    v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(5)
+    W = W * torch.linspace(0.3, 4.0, W.shape[1])  # column sums 0.3/T … 4/T
+    got = []
+    for fn in (recast.nft_loss_readable, kernel_loss.reference_nft_loss):
+        v = v_theta.clone().requires_grad_()
+        loss = fn(v, v_old, x0, noise, t, t_index, r, W, 0.3, 5.0)
+        loss.backward()
+        got.append((loss.detach(), v.grad))
+    torch.testing.assert_close(got[0][0], got[1][0], rtol=4e-7, atol=0)
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=4e-7,
+                               atol=4e-7 * got[1][1].abs().max().item())  # fmt: skip
+
+
 def test_readable_loss_sees_every_input():
     """A mutation check of the comparison above: the readable loss moves with r, W, t and β."""
     v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(4)
@@ -304,6 +498,116 @@ def test_readable_loss_sees_every_input():
         other = recast.nft_loss_readable(v_theta, v_old, x0, noise, kw["t"], t_index, kw["r"],
                                          kw["W"], kw["beta"], 5.0)  # fmt: skip
         assert not torch.isclose(other, base), changed
+
+
+def test_pair_loss_noises_each_image_to_its_own_timestep():
+    """recast.pair_loss (DESIGN §1, §6): pair (n, i) noises image n to t_i (the sampler's
+    schedule at the pair's timestep index, which also picks W's column), x_t = (1 - t_i)·x0_n +
+    t_i·ε, reads the three policies there with image n's prompt (n // G) and r of image n; the
+    loss is the sum over the pairs. Written out with nft_loss_readable."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(9)
+    K, T, G, N = 3, 5, 4, 12
+    x0, eps = torch.randn(N, 2, 3, generator=gen), torch.randn(5, 2, 3, generator=gen)
+    cond = (torch.randn(N // G, 2, 3, generator=gen),)
+    scale = torch.tensor(1.5, requires_grad=True)
+    speed = {"policy": scale, "old": torch.tensor(1.2), "ref": torch.tensor(0.7)}
+
+    def v(which, x, c, t):  # a velocity that reads the state, the prompt and the time
+        return speed[which] * x - c[0] * t[:, None, None]
+
+    sigmas = torch.tensor([1.0, 0.9, 0.7, 0.4, 0.15, 0.0])
+    args = SimpleNamespace(group_size=G, beta=0.3, adv_clip_max=5.0, kl_coef=0.5)
+    run = SimpleNamespace(args=args, sigmas=sigmas, nft_loss=recast.nft_loss_readable,
+                          observe=lambda name: nullcontext(),
+                          world=SimpleNamespace(v=v, device=torch.device("cpu")))  # fmt: skip
+    r = torch.rand(K, N, generator=gen)
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    n, i = torch.tensor([7, 0, 11, 4, 5]), torch.tensor([3, 0, 1, 4, 3])
+    got = recast.pair_loss(run, x0, cond, r, W, n, i, eps)
+    t = sigmas[i]  # t_i: the model at t_i makes the step t_i → t_i+1
+    x_t = (1 - t[:, None, None]) * x0[n] + t[:, None, None] * eps
+    c = (cond[0][n // G],)
+    expected = len(n) * recast.nft_loss_readable(
+        v("policy", x_t, c, t), v("old", x_t, c, t), x0[n], eps, t, i, r[:, n].T, W, 0.3, 5.0,
+        v("ref", x_t, c, t), 0.5)  # fmt: skip
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    other = recast.pair_loss(run, x0, cond, r, W, n, i.flip(0), eps)
+    assert not torch.isclose(other, got)  # the timestep index matters
+
+
+def test_an_optimizer_steps_gradient_is_the_mean_over_its_pairs():
+    """recast.nft_update (DESIGN §6): round(--train-frac·N·T) of the epoch's pairs, drawn with
+    the epoch's generator, in micro-batches of --batch-size, --grad-accum of them per optimizer
+    step; each step's gradient is the mean over its own pairs (a short last step's too), and the
+    loss returned is the mean over micro-batches of their mean. Here 10 pairs, 4 a micro-batch,
+    2 micro-batches a step: steps of 8 and 2 pairs."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from plumbing.seeding import epoch_generator
+
+    K, T, G, N = 2, 4, 3, 6
+    gen = torch.Generator().manual_seed(12)
+    x0, r = torch.randn(N, 2, 2, generator=gen), torch.rand(K, N, generator=gen)
+    W = torch.softmax(torch.randn(K, T, generator=gen), 0) / T
+    theta = torch.tensor(1.3, requires_grad=True)
+    words = {"a": torch.ones(2, 2), "b": -torch.ones(2, 2)}
+    speed = {"policy": theta, "old": torch.tensor(1.1), "ref": torch.tensor(0.9)}
+    world = SimpleNamespace(
+        v=lambda which, x, c, t: speed[which] * x - c[0] * t[:, None, None],
+        encode=lambda prompts: (torch.stack([words[p] for p in prompts]),),
+        latent_shape=(2, 2), device=torch.device("cpu"), policy=None)  # fmt: skip
+    grads = []
+    optimizer = SimpleNamespace(
+        step=lambda: grads.append(theta.grad.clone()),
+        zero_grad=lambda set_to_none: setattr(theta, "grad", None),
+    )
+    args = SimpleNamespace(steps=T, seed=3, train_frac=10 / 24, batch_size=4, grad_accum=2,
+                           grad_clip=1e9, beta=0.3, adv_clip_max=5.0, kl_coef=0.2,
+                           group_size=G, weighting="recast", out="")  # fmt: skip
+    run = SimpleNamespace(args=args, world=world, sigmas=torch.tensor([1.0, 0.8, 0.5, 0.2, 0.0]),
+                          nft_loss=recast.nft_loss_readable, observe=lambda name: nullcontext(),
+                          progress=lambda starts, desc: starts, share=lambda n: slice(0, n),
+                          world_size=1, optimizer=optimizer, params=[theta])  # fmt: skip
+    loss, steps = recast.nft_update(run, 2, ["a", "b"], x0, r, W, 5)
+    assert steps == 7 and len(grads) == 2
+    g = epoch_generator(3, 2, 2)
+    pairs = torch.randperm(N * T, generator=g)[:10]
+    cond, means, expected = world.encode(["a", "b"]), [], []
+    for step in (pairs[:8], pairs[8:]):
+        total = 0
+        for batch in step.split(4):
+            eps = torch.randn(len(batch), 2, 2, generator=g)
+            pair_sum = recast.pair_loss(run, x0, cond, r, W, batch // T, batch % T, eps)
+            means.append(pair_sum.detach() / len(batch))
+            total = total + pair_sum
+        expected.append(torch.autograd.grad(total / len(step), theta)[0])
+    torch.testing.assert_close(torch.stack(grads), torch.stack(expected), rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, torch.stack(means).mean(), rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The old policy (DESIGN §6)
+# ---------------------------------------------------------------------------------------------
+def test_old_policy_decay_rises_with_the_optimizer_steps_to_its_cap():
+    """d = min(--decay-rate · optimizer steps, --decay-cap), and the toy world's
+    θ_old ← d·θ_old + (1 - d)·θ (the diffusers world's is tested in test_recast.py)."""
+    from types import SimpleNamespace
+
+    from worlds import toyworld
+
+    theta, old = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in old.parameters()]
+    world = SimpleNamespace(trainable=theta, old_model=old)
+    world.update_old = lambda d: toyworld.ToyWorld.update_old(world, d)
+    run = SimpleNamespace(args=SimpleNamespace(decay_rate=0.001, decay_cap=0.5), world=world)
+    assert recast.update_old(run, 300) == pytest.approx(0.3)
+    for p_old, p, b in zip(old.parameters(), theta.parameters(), before, strict=True):
+        torch.testing.assert_close(p_old.detach(), 0.3 * b + 0.7 * p.detach())
+    assert recast.update_old(run, 2000) == 0.5 and recast.update_old(run, 0) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------

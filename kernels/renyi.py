@@ -28,8 +28,9 @@ Choices beyond DESIGN.md
   other group. Such a group contributes D_group = 0 exactly.
 - r at the last column. r can be exactly 0 (A = -A_max), where log r = -inf and the KL term
   0·log 0 needs special-casing. D[k, T] clamps r to [1e-4, 1] exactly as r̂ is clamped. This keeps
-  every logarithm finite, and makes the last gain exactly 0 when the last step prediction is the
-  sample itself (Euler's last step) and no advantage is clipped, since then r̂ = r.
+  every logarithm finite, and makes the last gain 0 when the last step prediction is the sample
+  itself (Euler's last step) and no advantage is clipped, since then r̂ = r to the rounding of
+  mean r + b z (the test holds it to that rounding).
 
 Gradient: none (the gains are statistics of the rollout; nothing is differentiated through them).
 Scores that require a gradient are read detached: D and the gains never require one, on either
