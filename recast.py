@@ -693,6 +693,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             if epoch % args.eval_every == 0 or last:
                 with run.phase(m, "eval"):
                     evals(epoch, m)
+            last = last or stop.agreed()  # a signal during the eval: this epoch saves and stops
             with run.observe("save"):  # metrics.jsonl, W.png, checkpoint
                 profiles = None if gains_ema is None else gain_profiles(
                     gains_ema, args.floor, args.gain_shift)  # fmt: skip

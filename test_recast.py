@@ -1526,6 +1526,32 @@ def test_sigint_finishes_the_epoch_checkpoints_and_resumes(tmp_path):
     assert [m["epoch"] for m in metrics_of(out)] == list(range(done + 2))
 
 
+def test_a_signal_during_the_eval_stops_after_that_epoch(tmp_path, monkeypatch):
+    """The ranks agreed whether to stop before the eval only: a SIGTERM during a long eval (a
+    diffusers model's) ran a whole further epoch before stopping, which a scheduler's grace period
+    may not allow. They now ask again before saving: the epoch is checkpointed and the run stops
+    after it, exit 143."""
+    import signal
+
+    import harness
+
+    evals = harness.EvalSet.__call__
+
+    def signalled(self, epoch, m):
+        evals(self, epoch, m)
+        if epoch == 1:  # as a scheduler's SIGTERM would arrive, while the eval runs
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(harness.EvalSet, "__call__", signalled)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY[2:], "--epochs", "3", "--eval-every", "1",
+                  "--out", out)  # fmt: skip
+    assert e.value.code == 143
+    assert [m["epoch"] for m in metrics_of(out)] == [0, 1]
+    assert sorted(os.listdir(out / "ckpt")) == ["epoch_0001"]
+
+
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     """Kill -9 at an arbitrary point, --resume: the same metrics as a run never interrupted."""
     import random
