@@ -175,9 +175,9 @@ def main(runs: list[str]) -> None:
               + " |")  # fmt: skip
     print("\nabove the base model at the final eval, per reward and judge:")
     for n in names:
-        up = [s for s, m in zip(seeds, finals, strict=True) if m[f"eval/{n}"] > base[f"eval/{n}"]]
-        down = [s for s in seeds if s not in up]
-        print(f"  {n} improves in {len(up)} of {len(runs)} runs"
+        up = [m[f"eval/{n}"] > base[f"eval/{n}"] for m in finals]  # per run: two may share a seed
+        down = [s for s, u in zip(seeds, up, strict=True) if not u]
+        print(f"  {n} improves in {sum(up)} of {len(runs)} runs"
               + (f" (not in seed {', '.join(map(str, down))})" if down else ""))  # fmt: skip
     # W: its marginals, and where each reward's weight sits (centroid over timesteps)
     Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
@@ -186,7 +186,9 @@ def main(runs: list[str]) -> None:
         max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
     )
     cents = torch.stack([timestep_centroid(W) for W in Ws])  # (E, K)
-    rewards = read_args(runs[0])["rewards"].split(",")
+    from rewards import expand  # a preset (--rewards toy2) is its rewards, as recast.py reads it
+
+    rewards = expand(read_args(runs[0])["rewards"])
     print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
     print(
         "weight centroid (timestep, mean ± std over epochs): "

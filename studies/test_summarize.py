@@ -154,3 +154,36 @@ def test_runs_whose_last_evals_are_at_other_epochs_get_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("note: the runs' last evals are at epochs 1, 3 (in the order given)")
     assert "\n2 runs, final epochs 1–3;" in out
+
+
+def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count_apart(
+    tmp_path, capsys
+):
+    """--rewards toy2 (a preset, as setting 2's runs are trained) ended in zip()'s ValueError
+    after the tables: W's four rows were named by the one word "toy2". And the counts named runs
+    by seed: of two runs of seed 0, one below the base model, none was said not to improve."""
+    names = ["size", "elongation", "outline", "texture"]
+    final = {**dict.fromkeys(names, 0.1), "shape": 0.2, "iou": 0.3}
+
+    def run(name: str, seed: int, shape: float) -> str:
+        path = tmp_path / name
+        os.makedirs(path)
+        (path / "args.json").write_text(json.dumps({"seed": seed, "rewards": "toy2"}))
+        base = {"epoch": 0, **{f"eval/{n}": 0.0 for n in final}}
+        base.update({f"ideal/{n}": 1.0 for n in final})
+        last = {"epoch": 1, "W": [[0.1, 0.15], [0.15, 0.1], [0.125, 0.125], [0.125, 0.125]]}
+        last.update({f"eval/{n}": v for n, v in {**final, "shape": shape}.items()})
+        last.update({f"gap/{n}": v for n, v in {**final, "shape": shape}.items()})
+        last.update({"gap/weighted": 0.1, "time/update": 1.0})
+        (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (base, last)))
+        return str(path)
+
+    summarize.main([run("a", 0, 0.2), run("b", 0, -0.1)])
+    out = capsys.readouterr().out
+    assert (
+        "weight centroid (timestep, mean ± std over epochs): size 0.60 ± 0.00, elongation "
+        "0.40 ± 0.00, outline 0.50 ± 0.00, texture 0.50 ± 0.00" in out
+    )
+    assert "  size before elongation: 0 of 2 epochs\n" in out
+    assert "  shape improves in 1 of 2 runs (not in seed 0)\n" in out
+    assert "  iou improves in 2 of 2 runs\n" in out
