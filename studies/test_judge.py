@@ -56,6 +56,13 @@ def test_bootstrap_interval_resamples_prompts():
     lo, hi = judge.bootstrap_interval(votes, PROMPTS)
     assert 0 <= lo < judge.preference_rate(votes) < hi <= 1
     assert judge.bootstrap_interval(torch.ones(12, dtype=torch.int8), PROMPTS) == (1.0, 1.0)
+    # the unit resampled is the prompt, all its seeds together: where each prompt's seeds agree,
+    # four seeds a prompt give the interval of two (resampling images would narrow it)
+    agree = torch.tensor([1, 1, -1, -1, 1, 1, 0, 0, -1, -1, 1, 1])
+    four = [p for p in P for _ in range(4)]
+    assert judge.bootstrap_interval(agree.repeat_interleave(2), four) == pytest.approx(
+        judge.bootstrap_interval(agree, PROMPTS), abs=1e-6
+    )
 
 
 def test_judge_command_prefers_the_ideal_and_reads_both_orders(tmp_path, capsys):
