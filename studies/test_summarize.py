@@ -1,6 +1,7 @@
 """Tests of studies/summarize.py on made-up runs: the worst seed per row and the counts of
 runs in which each reward and judge ends above the base model; runs that are not the seeds of
-one configuration (other rewards, judges or method flags) exit 2 naming what differs."""
+one configuration (other rewards, judges or method flags) exit 2 naming what differs; its
+spearman, with anatomy.py's settled_step that reads it."""
 
 import json
 import os
@@ -187,3 +188,27 @@ def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count
     assert "  size before elongation: 0 of 2 epochs\n" in out
     assert "  shape improves in 1 of 2 runs (not in seed 0)\n" in out
     assert "  iou improves in 2 of 2 runs\n" in out
+
+
+def test_spearman_shares_tied_ranks_and_anatomy_settles_at_the_first_step_that_stays():
+    """summarize.spearman (anatomy.py's and diagnostic.py's ρ): tied values share their mean
+    rank, so [1, 2, 2, 3] against [1, 2, 3, 4] is 3/√10, not 1; a constant side is nan.
+    anatomy.settled_step: the first step from which every later step's ranking has ρ ≥ 0.8
+    with the final one; a constant step (nan) does not count, and step 0 is never read."""
+    import math
+
+    import torch
+
+    from studies import anatomy
+
+    assert summarize.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(3 / math.sqrt(10))
+    assert summarize.spearman([3, 1, 2], [30, 10, 20]) == pytest.approx(1)
+    assert summarize.spearman([3, 1, 2], [-3, -1, -2]) == pytest.approx(-1)
+    assert math.isnan(summarize.spearman([1, 1, 1], [1, 2, 3]))
+    final = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    steps = torch.stack([torch.zeros(4), final.flip(0), final, final * 2, final])  # T = 4
+    assert anatomy.settled_step(steps) == 2  # step 1 reversed; 2, 3 agree with the final
+    steps[3] = 5.0  # constant at step 3: nan, so nothing before the final is settled
+    assert anatomy.settled_step(steps) == 4
+    steps[3], steps[1] = final, final  # all agree: settled from step 1; step 0 (zeros) unread
+    assert anatomy.settled_step(steps) == 1
