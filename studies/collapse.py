@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "collapse"), help="run folders")
     ap.add_argument("--to", default=os.path.join(ROOT, "docs", "collapse"), help="report folder")
     args = ap.parse_args(argv)
+    # recast.py runs in --code: a relative --out (or --code) would be read there by it and here
+    # by this script, two different folders
+    args.code, args.out, args.to = map(os.path.abspath, (args.code, args.out, args.to))
     run(args) if args.command == "run" else report(args)
 
 

@@ -151,9 +151,10 @@ def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
 
 def sweep(args) -> None:
     recipes, seeds = sweep_plan(args.only, args.seeds)
-    os.makedirs(args.out, exist_ok=True)
+    out = os.path.abspath(args.out)  # recast.py runs in ROOT: a relative --out is read from here
+    os.makedirs(out, exist_ok=True)
     runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
-    outs = {name: os.path.join(args.out, name) for name in runs}
+    outs = {name: os.path.join(out, name) for name in runs}
     done = {o for o in outs.values() if os.path.exists(os.path.join(o, "summary.json"))}
     bar = tqdm(total=len(runs), initial=len(done), unit="run", smoothing=0)  # on stderr
     with ThreadPoolExecutor(2) as pool, bar:

@@ -1,7 +1,8 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made,
 and its runs show on a bar on stderr (stdout's table unchanged); a count below one (--threads 0)
 in recipe.py, anatomy.py and diagnostic.py exits 2, as do diagnostic.py's --group-size 1 and
---steps 1; its --steps 2 and 3 print a note; diagnostic.json is replaced whole or not at all."""
+--steps 1; its --steps 2 and 3 print a note; diagnostic.json is replaced whole or not at all; a
+relative --out of the sweep (and of collapse.py's run) is where recast.py writes its runs."""
 
 import json
 import os
@@ -101,3 +102,44 @@ def test_sweep_shows_a_bar_of_runs_on_stderr_counting_finished_ones(tmp_path, mo
     lines = stdout.splitlines()
     assert lines[0].startswith("--weighting uniform") and lines[1].startswith("| recipe |")
     assert [x.split(" | ")[:2] for x in lines[3:]] == [[f"| {n}", "0.500"] for n in names]
+
+
+def fake_recast(tmp_path, calls: list):
+    """subprocess.run as recast.py would run: its --out read in its cwd; a finished run (metrics,
+    summary.json) written there, refused outside tmp_path (the repository is left alone)."""
+
+    def run(cmd, cwd, **kwargs):
+        where = os.path.join(cwd, cmd[cmd.index("--out") + 1])
+        assert where.startswith(str(tmp_path)), f"recast.py would write to {where}"
+        calls.append(where)
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch": 2, "gap/weighted": 0.5, "time/rollout": 60.0}) + "\n")
+        open(os.path.join(where, "summary.json"), "w").close()
+        return recipe.subprocess.CompletedProcess(cmd, 0)
+
+    return run
+
+
+def test_a_relative_out_is_where_the_runs_are_written_and_read(tmp_path, monkeypatch, capsys):
+    """recast.py runs in the repository's root: a relative --out given from another folder was
+    written there by it, while the sweep looked for its runs (finished? to resume?) and read
+    their metrics here, failing after hours; collapse.py did the same in --code. Both now pass
+    the folder as an absolute path, and a second sitting skips the finished runs."""
+    from studies import collapse
+
+    calls = []
+    monkeypatch.setattr(recipe.subprocess, "run", fake_recast(tmp_path, calls))
+    monkeypatch.chdir(tmp_path)
+    only = list(recipe.RECIPES)[0]
+    for _ in range(2):
+        recipe.sweep(recipe.argparse.Namespace(only=only, seeds="0", out="sweep"))
+        assert f"| {only} | 0.500 |" in capsys.readouterr().out
+    assert calls == [str(tmp_path / "sweep" / only)]  # once: the second sitting skips it
+    calls.clear()
+    monkeypatch.setattr(collapse.subprocess, "run", fake_recast(tmp_path, calls))
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "recast.py").touch()
+    for _ in range(2):
+        collapse.main(["run", "--code", "code", "--out", "runs"])
+    assert sorted(calls) == sorted(str(tmp_path / "runs" / n) for n in collapse.RUNS)
