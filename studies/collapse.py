@@ -68,6 +68,7 @@ def run(args) -> None:
         cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
         dispatch = comparison.DISPATCH if name.startswith("t3") else {"OMP_NUM_THREADS": "1"}
         env = dict(os.environ, **dispatch)  # the test's cell as the test ran it
+        print(f"started: {name} (its progress: {path}.log)", flush=True)  # minutes a run
         with open(path + ".log", "a") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=args.code, env=env)
         if rc.returncode:

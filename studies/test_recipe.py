@@ -143,3 +143,6 @@ def test_a_relative_out_is_where_the_runs_are_written_and_read(tmp_path, monkeyp
     for _ in range(2):
         collapse.main(["run", "--code", "code", "--out", "runs"])
     assert sorted(calls) == sorted(str(tmp_path / "runs" / n) for n in collapse.RUNS)
+    said = capsys.readouterr().out.splitlines()  # each run says where its progress is logged
+    logs = [f"started: {n} (its progress: {tmp_path}/runs/{n}.log)" for n in collapse.RUNS]
+    assert sorted(said) == sorted([*logs, *(f"done: {n}" for n in collapse.RUNS)])
