@@ -8,6 +8,7 @@ import torch
 
 from plumbing import eval_images
 from studies import judge
+from test_recast import refused
 from worlds import toyworld as tw
 
 P = tw.HELDOUT_PROMPTS[:6]
@@ -91,11 +92,12 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
         ([a, other_prompts], "different prompts"),
         ([a, str(tmp_path / "empty")], "RUN_B: " + str(tmp_path / "empty") + " has no saved"),
         ([a, a, "--judge", "vlm"], "--judge-model: --judge vlm needs --judge-model"),
+        ([a, a, "--judge", "llm"], "--judge: invalid choice: 'llm'"),  # was the usage block
+        ([a], "usage: the following arguments are required: RUN_B"),
     ]
     for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            judge.main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err, message
+        err = refused(capsys, judge.main, argv, "judge.py: error: ")
+        assert message in err, message
     index = json.loads((tmp_path / "a" / "eval_images" / "index.json").read_text())
     assert index["epoch"] == 20 and len(before) > 2
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
