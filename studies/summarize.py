@@ -193,7 +193,8 @@ def main(runs: list[str]) -> None:
     print(
         "weight centroid (timestep, mean ± std over epochs): "
         + ", ".join(
-            f"{n} {c.mean():.2f} ± {c.std():.2f}" for n, c in zip(rewards, cents.T, strict=True)
+            "{} {:.2f} ± {:.2f}".format(n, *mean_std(c.tolist()))  # one epoch: ± 0, not nan
+            for n, c in zip(rewards, cents.T, strict=True)
         )
     )
     for k in range(1, len(rewards)):

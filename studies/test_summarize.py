@@ -188,6 +188,8 @@ def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count
     assert "  size before elongation: 0 of 2 epochs\n" in out
     assert "  shape improves in 1 of 2 runs (not in seed 0)\n" in out
     assert "  iou improves in 2 of 2 runs\n" in out
+    summarize.main([str(tmp_path / "a")])  # one run of one epoch: W's std over epochs is 0
+    assert ": size 0.60 ± 0.00, elongation 0.40 ± 0.00," in capsys.readouterr().out
 
 
 def test_spearman_shares_tied_ranks_and_anatomy_settles_at_the_first_step_that_stays():
