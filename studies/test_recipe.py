@@ -1,8 +1,9 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made,
 and its runs show on a bar on stderr (stdout's table unchanged); a count below one (--threads 0)
 in recipe.py, anatomy.py and diagnostic.py exits 2, as do diagnostic.py's --group-size 1 and
---steps 1; its --steps 2 and 3 print a note; diagnostic.json is replaced whole or not at all; a
-relative --out of the sweep (and of collapse.py's run) is where recast.py writes its runs."""
+--steps 1; its --steps 2 and 3 print a note (that diagnostic.json is replaced whole or not at
+all is plumbing/test_faults.py's); a relative --out of the sweep (and of collapse.py's run) is
+where recast.py writes its runs."""
 
 import json
 import os
