@@ -104,6 +104,9 @@ def variance_parts(records: dict, prefix: str, names: list[str]) -> dict[str, di
 
 
 def report(args) -> None:
+    if os.path.exists(args.to) and not os.path.isdir(args.to):
+        cli.fail("--to", f"{args.to} is a file, not a folder for table.md and collapse.png: pick "
+                 "a folder", PROG)  # fmt: skip
     runs = {n: read_metrics(os.path.join(args.out, n)) for n in RUNS
             if comparison.done(os.path.join(args.out, n))}  # fmt: skip
     if not runs:

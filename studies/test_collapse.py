@@ -1,5 +1,5 @@
-"""studies/collapse.py: a --code without recast.py, or a --out without the study's finished runs,
-exits 2 before anything is written."""
+"""studies/collapse.py: a --code without recast.py, a --out without the study's finished runs, or
+a --to that is a file, exits 2 before anything is written; variance_parts."""
 
 import statistics
 
@@ -19,6 +19,12 @@ def test_a_wrong_code_or_out_exits_2_and_writes_nothing(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"collapse.py: error: {flag}: ")
         assert err.count("\n") == 1 and not out.exists() and not to.exists()
+    to.write_text("kept")  # a file: it ended in os.makedirs's traceback after reading the runs
+    with pytest.raises(SystemExit) as e:
+        collapse.main(["report", "--out", str(tmp_path / "empty"), "--to", str(to)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"collapse.py: error: --to: {to} is a file, ")
+    assert to.read_text() == "kept"
 
 
 def test_variance_parts_split_the_weighted_gaps_variance_and_sum_to_one():

@@ -147,3 +147,18 @@ def test_a_relative_out_is_where_the_runs_are_written_and_read(tmp_path, monkeyp
     said = capsys.readouterr().out.splitlines()  # each run says where its progress is logged
     logs = [f"started: {n} (its progress: {tmp_path}/runs/{n}.log)" for n in collapse.RUNS]
     assert sorted(said) == sorted([*logs, *(f"done: {n}" for n in collapse.RUNS)])
+
+
+@pytest.mark.parametrize("script", ["anatomy", "diagnostic"])
+def test_an_out_that_is_a_file_exits_2_before_the_work(script, tmp_path, monkeypatch, capsys):
+    """anatomy.py (a minute) and diagnostic.py (minutes) made their --out only at the end, so a
+    file there ended in os.makedirs's FileExistsError traceback with the work lost."""
+    import importlib
+
+    module = importlib.import_module(f"studies.{script}")
+    monkeypatch.setattr(module, script, lambda args: pytest.fail("ran"))
+    out = tmp_path / "figures"
+    out.write_text("kept")
+    refused(capsys, module.main, ["--out", str(out)],
+            f"{script}.py: error: --out: {out} is a file, not a folder for ")  # fmt: skip
+    assert out.read_text() == "kept"
