@@ -159,8 +159,12 @@ def sweep(args) -> None:
     bar = tqdm(total=len(runs), initial=len(done), unit="run", smoothing=0)  # on stderr
     with ThreadPoolExecutor(2) as pool, bar:
         jobs = [pool.submit(run_one, outs[name], RECIPES[n], s) for name, (n, s) in runs.items()]
-        for f in as_completed(jobs):
-            bar.update(f.result() not in done)  # a finished run was counted from the start
+        try:
+            for f in as_completed(jobs):
+                bar.update(f.result() not in done)  # a finished run was counted from the start
+        except BaseException:  # a run failed (or ^C): start no other, say so when the two stop
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     names = list(runs)
     print(f"--weighting uniform --lambda {LAMBDA} --seed S (-sS) --eval-every 2")
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "

@@ -162,3 +162,25 @@ def test_an_out_that_is_a_file_exits_2_before_the_work(script, tmp_path, monkeyp
     refused(capsys, module.main, ["--out", str(out)],
             f"{script}.py: error: --out: {out} is a file, not a folder for ")  # fmt: skip
     assert out.read_text() == "kept"
+
+
+def test_a_failed_run_stops_the_sweep_without_starting_the_others(tmp_path, monkeypatch):
+    """A run that failed raised only after the pool had run every other queued recipe (hours);
+    now the queued ones are cancelled: the two started may finish, no third starts after it."""
+    import subprocess
+    import time
+
+    started = []
+
+    def fake_run(out, recipe_, seed):
+        started.append(os.path.basename(out))
+        if len(started) == 1:
+            raise subprocess.CalledProcessError(1, ["recast.py"])
+        time.sleep(0.3)
+        return out
+
+    monkeypatch.setattr(recipe, "run_one", fake_run)
+    only = ",".join(list(recipe.RECIPES)[:5])
+    with pytest.raises(subprocess.CalledProcessError):
+        recipe.sweep(recipe.argparse.Namespace(only=only, seeds="0", out=str(tmp_path / "s")))
+    assert len(started) <= 3, started  # the failed one, the one beside it, at most one more
