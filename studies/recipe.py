@@ -152,6 +152,9 @@ def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
 def sweep(args) -> None:
     recipes, seeds = sweep_plan(args.only, args.seeds)
     out = os.path.abspath(args.out)  # recast.py runs in ROOT: a relative --out is read from here
+    if os.path.exists(out) and not os.path.isdir(out):
+        cli.fail("--out", f"{args.out} is a file, not a folder for the sweep's runs: pick a folder",
+                 "recipe.py")  # fmt: skip
     os.makedirs(out, exist_ok=True)
     runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
     outs = {name: os.path.join(out, name) for name in runs}

@@ -23,6 +23,11 @@ def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(t
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"recipe.py: error: {flag}: ")
         assert err.count("\n") == 1 and not out.exists()
+    (tmp_path / "file").write_text("kept")  # was os.makedirs's FileExistsError traceback
+    with pytest.raises(SystemExit) as e:
+        recipe.sweep(recipe.argparse.Namespace(only="", seeds="0", out=str(tmp_path / "file")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"recipe.py: error: --out: {tmp_path}/file is a ")
     assert recipe.sweep_plan("", "0,3") == (list(recipe.RECIPES), [0, 3])
     assert recipe.sweep_plan("", "0, 3") == (list(recipe.RECIPES), [0, 3])  # as it always took
 
