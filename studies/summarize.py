@@ -207,7 +207,8 @@ def main(runs: list[str]) -> None:
             for k, v in m.items():
                 if k.startswith("time/"):
                     t[k[5:]] = t.get(k[5:], 0.0) + v
-    share = {k: [100 * t[k] / sum(t.values()) for t in times] for k in times[0]}
+    phases = dict.fromkeys(k for t in times for k in t)  # a phase one run lacks counts 0 there
+    share = {k: [100 * t.get(k, 0.0) / sum(t.values()) for t in times] for k in phases}
     cells = ["{} {:.1f} ± {:.1f} %".format(k, *mean_std(v)) for k, v in share.items()]
     print(f"time (share of each run's time/*, mean ± std over runs): {', '.join(cells)}")
 

@@ -162,7 +162,8 @@ def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count
 ):
     """--rewards toy2 (a preset, as setting 2's runs are trained) ended in zip()'s ValueError
     after the tables: W's four rows were named by the one word "toy2". And the counts named runs
-    by seed: of two runs of seed 0, one below the base model, none was said not to improve."""
+    by seed: of two runs of seed 0, one below the base model, none was said not to improve. A
+    time/ phase that one run logged and another did not was a KeyError."""
     names = ["size", "elongation", "outline", "texture"]
     final = {**dict.fromkeys(names, 0.1), "shape": 0.2, "iou": 0.3}
 
@@ -176,11 +177,16 @@ def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count
         last.update({f"eval/{n}": v for n, v in {**final, "shape": shape}.items()})
         last.update({f"gap/{n}": v for n, v in {**final, "shape": shape}.items()})
         last.update({"gap/weighted": 0.1, "time/update": 1.0})
+        last.update({"time/eval": 3.0} if seed else {})  # a phase only one run logged
         (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (base, last)))
         return str(path)
 
     summarize.main([run("a", 0, 0.2), run("b", 0, -0.1)])
     out = capsys.readouterr().out
+    summarize.main([run("c", 1, 0.2), str(tmp_path / "a")])  # was a KeyError: 'eval' in run a
+    assert "mean ± std over runs): update 62.5 ± 53.0 %, eval 37.5 ± 53.0 %\n" in (
+        capsys.readouterr().out
+    )
     assert (
         "weight centroid (timestep, mean ± std over epochs): size 0.60 ± 0.00, elongation "
         "0.40 ± 0.00, outline 0.50 ± 0.00, texture 0.50 ± 0.00" in out
