@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=cli.count, default=1)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "anatomy"))
-    anatomy(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # before a minute of work
+        cli.fail("--out", f"{args.out} is a file, not a folder for the figures: pick a folder",
+                 ap.prog)  # fmt: skip
+    anatomy(args)
 
 
 if __name__ == "__main__":

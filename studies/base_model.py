@@ -11,10 +11,11 @@ candidates that were measured and not chosen (`symmetry`, below) among them.
 
     python studies/base_model.py --measure   # what settings 3 and 4 were chosen on
 
-prints, for all eight rewards of settings 1 and 2 on the base model (64 training prompts × 8
-images), each one's headroom over its within-group spread, the share of groups in which it
-spreads, its gain-profile centroid (DESIGN §4; ± over bootstrap resamples of the groups) and the
-within-group correlations between them (docs/toy_world.md, "Settings 3 and 4").
+prints, for all eight rewards of settings 1 and 2 on the base model (64 groups of 8 images over
+the 58 training prompts, 6 of them twice), each one's within-group spread, its headroom over it,
+the share of groups in which it spreads, its gain-profile centroid (DESIGN §4; ± over bootstrap
+resamples of the groups) and the within-group correlations between them (docs/toy_world.md,
+"Settings 3 and 4").
 """
 
 import argparse
@@ -201,8 +202,8 @@ def measure(prompts: int = 64, group_size: int = 8, seed: int = 0) -> dict:
 
 def print_measure() -> None:
     m = measure()
-    print("the eight rewards on the base model, 64 training prompts × 8 images (studies/"
-          "base_model.py --measure):\n")  # fmt: skip
+    print("the eight rewards on the base model, 64 groups of 8 images over the 58 training "
+          "prompts (studies/base_model.py --measure):\n")  # fmt: skip
     print("| reward | within-group spread | headroom ÷ spread | groups that spread | "
           "profile centroid | " +
           " | ".join(m["names"]) + " |")  # fmt: skip

@@ -11,7 +11,6 @@ The toy rewards are hand-written, so this bounds the rounding of bf16 on this pi
 bf16 does to a VAE and four CLIP reward models needs their weights (docs/sd35.md).
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import recast
+from plumbing import cli
 
 LAM = "0.4,0.2,0.2,0.2"
 
@@ -38,11 +38,11 @@ def profile(seed: int, precision: str, tmp: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog="bf16_scoring.py", description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (default 5)")
     a = ap.parse_args(argv)
     if a.seeds < 2:
-        ap.exit(2, "bf16_scoring.py: error: --seeds needs ≥ 2 (the noise floor pairs seeds)\n")
+        cli.fail("--seeds", f"needs ≥ 2 (the noise floor pairs seeds), got {a.seeds}", ap.prog)
     lines, w_moves = [], []
     with tempfile.TemporaryDirectory() as tmp:
         fp32 = {}

@@ -68,6 +68,7 @@ def run(args) -> None:
         cmd += ["--resume"] if os.path.isfile(os.path.join(path, "args.json")) else []
         dispatch = comparison.DISPATCH if name.startswith("t3") else {"OMP_NUM_THREADS": "1"}
         env = dict(os.environ, **dispatch)  # the test's cell as the test ran it
+        print(f"started: {name} (its progress: {path}.log)", flush=True)  # minutes a run
         with open(path + ".log", "a") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=args.code, env=env)
         if rc.returncode:
@@ -103,6 +104,9 @@ def variance_parts(records: dict, prefix: str, names: list[str]) -> dict[str, di
 
 
 def report(args) -> None:
+    if os.path.exists(args.to) and not os.path.isdir(args.to):
+        cli.fail("--to", f"{args.to} is a file, not a folder for table.md and collapse.png: pick "
+                 "a folder", PROG)  # fmt: skip
     runs = {n: read_metrics(os.path.join(args.out, n)) for n in RUNS
             if comparison.done(os.path.join(args.out, n))}  # fmt: skip
     if not runs:
@@ -197,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "collapse"), help="run folders")
     ap.add_argument("--to", default=os.path.join(ROOT, "docs", "collapse"), help="report folder")
     args = ap.parse_args(argv)
+    # recast.py runs in --code: a relative --out (or --code) would be read there by it and here
+    # by this script, two different folders
+    args.code, args.out, args.to = map(os.path.abspath, (args.code, args.out, args.to))
     run(args) if args.command == "run" else report(args)
 
 

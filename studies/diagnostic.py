@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
         cli.fail("--eval-prompts", f"must be ≥ 0 (0: all), got {args.eval_prompts}", ap.prog)
     if not 0 < args.delta < math.inf:  # effect divides by 2δ
         cli.fail("--delta", f"must be > 0 and finite, got {args.delta}", ap.prog)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # before minutes of work
+        cli.fail("--out", f"{args.out} is a file, not a folder for diagnostic.json and .png: "
+                 "pick a folder", ap.prog)  # fmt: skip
     if args.steps < 4:  # (b) pairs T - 1 timesteps, (b2) T - 2: ρ of fewer than 2 is nan
         print(f"note: --steps {args.steps}: ρ (b) and (b2) are over T - 1 = {args.steps - 1} "
               f"and T - 2 = {args.steps - 2} timesteps, nan below 2; --steps 4 or more fills "

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from plumbing import eval_images  # noqa: E402
+from plumbing import cli, eval_images  # noqa: E402
 from worlds import toyworld as tw  # noqa: E402
 
 TIE = 0.005  # |d_A − d_B| below this (in SSIM) is a tie
@@ -137,8 +137,8 @@ def judge_votes(args, prompts: list[str], a: torch.Tensor, b: torch.Tensor) -> t
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = cli.Parser(prog="judge.py", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("run_a", metavar="RUN_A", help="a run folder with eval_images/")
     ap.add_argument("run_b", metavar="RUN_B", help="another, evaluated on the same prompts, noise")
     ap.add_argument(

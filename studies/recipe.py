@@ -151,15 +151,23 @@ def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
 
 def sweep(args) -> None:
     recipes, seeds = sweep_plan(args.only, args.seeds)
-    os.makedirs(args.out, exist_ok=True)
+    out = os.path.abspath(args.out)  # recast.py runs in ROOT: a relative --out is read from here
+    if os.path.exists(out) and not os.path.isdir(out):
+        cli.fail("--out", f"{args.out} is a file, not a folder for the sweep's runs: pick a folder",
+                 "recipe.py")  # fmt: skip
+    os.makedirs(out, exist_ok=True)
     runs = {f"{n}-s{s}" if s else n: (n, s) for n in recipes for s in seeds}  # seed 0: no suffix
-    outs = {name: os.path.join(args.out, name) for name in runs}
+    outs = {name: os.path.join(out, name) for name in runs}
     done = {o for o in outs.values() if os.path.exists(os.path.join(o, "summary.json"))}
     bar = tqdm(total=len(runs), initial=len(done), unit="run", smoothing=0)  # on stderr
     with ThreadPoolExecutor(2) as pool, bar:
         jobs = [pool.submit(run_one, outs[name], RECIPES[n], s) for name, (n, s) in runs.items()]
-        for f in as_completed(jobs):
-            bar.update(f.result() not in done)  # a finished run was counted from the start
+        try:
+            for f in as_completed(jobs):
+                bar.update(f.result() not in done)  # a finished run was counted from the start
+        except BaseException:  # a run failed (or ^C): start no other, say so when the two stop
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     names = list(runs)
     print(f"--weighting uniform --lambda {LAMBDA} --seed S (-sS) --eval-every 2")
     print("| recipe | λ-weighted gap closed at each eval | per reward at the end | minutes | "

@@ -13,7 +13,6 @@ seed, its mean, each reward's row of it and the gains' relative L1 change, and, 
 Σ|W_full(seed a) − W_full(seed b)| over every pair of seeds (the noise floor of one epoch's W).
 """
 
-import argparse
 import itertools
 import os
 import statistics
@@ -26,6 +25,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness
 import recast
+from plumbing import cli
 from recast_kernels.renyi import renyi_gains
 
 LAM = "0.4,0.2,0.2,0.2"
@@ -53,19 +53,19 @@ def scored(seed: int, sizes: list[int], tmp: str) -> tuple[list[str], dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.Parser(prog="score_size.py", description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds 0 … N-1 (default 5)")
     ap.add_argument("--sizes", default="24,16,8", help="--score-size values, px (default 24,16,8)")
     a = ap.parse_args(argv)
     if a.seeds < 2:
-        ap.exit(2, "score_size.py: error: --seeds needs ≥ 2 (the noise floor pairs seeds)\n")
+        cli.fail("--seeds", f"needs ≥ 2 (the noise floor pairs seeds), got {a.seeds}", ap.prog)
     try:
         sizes = [int(x) for x in a.sizes.split(",")]
     except ValueError:
         sizes = []
     if not sizes or any(not 1 <= px < TOY_PX for px in sizes):
-        ap.exit(2, f"score_size.py: error: --sizes: a comma-separated list of sizes in [1, "
-                f"{TOY_PX}) px (the toy world's size), got {a.sizes!r}\n")  # fmt: skip
+        cli.fail("--sizes", f"a comma-separated list of sizes in [1, {TOY_PX}) px (the toy "
+                 f"world's size), got {a.sizes!r}", ap.prog)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         seeds = tqdm(range(a.seeds), desc="seeds (rollout, scoring at each size)", leave=False)
         runs = {s: scored(s, sizes, tmp) for s in seeds}  # minutes: a bar on stderr

@@ -175,9 +175,9 @@ def main(runs: list[str]) -> None:
               + " |")  # fmt: skip
     print("\nabove the base model at the final eval, per reward and judge:")
     for n in names:
-        up = [s for s, m in zip(seeds, finals, strict=True) if m[f"eval/{n}"] > base[f"eval/{n}"]]
-        down = [s for s in seeds if s not in up]
-        print(f"  {n} improves in {len(up)} of {len(runs)} runs"
+        up = [m[f"eval/{n}"] > base[f"eval/{n}"] for m in finals]  # per run: two may share a seed
+        down = [s for s, u in zip(seeds, up, strict=True) if not u]
+        print(f"  {n} improves in {sum(up)} of {len(runs)} runs"
               + (f" (not in seed {', '.join(map(str, down))})" if down else ""))  # fmt: skip
     # W: its marginals, and where each reward's weight sits (centroid over timesteps)
     Ws = [torch.tensor(m["W"], dtype=torch.float64) for ls in lines for m in ls[1:]]
@@ -186,12 +186,15 @@ def main(runs: list[str]) -> None:
         max((W.sum(1) - lam).abs().max(), (W.sum(0) - 1 / W.shape[1]).abs().max()) for W in Ws
     )
     cents = torch.stack([timestep_centroid(W) for W in Ws])  # (E, K)
-    rewards = read_args(runs[0])["rewards"].split(",")
+    from rewards import expand  # a preset (--rewards toy2) is its rewards, as recast.py reads it
+
+    rewards = expand(read_args(runs[0])["rewards"])
     print(f"\nW over {len(Ws)} epochs: rows sum to λ and columns to 1/T within {err:.1e}")
     print(
         "weight centroid (timestep, mean ± std over epochs): "
         + ", ".join(
-            f"{n} {c.mean():.2f} ± {c.std():.2f}" for n, c in zip(rewards, cents.T, strict=True)
+            "{} {:.2f} ± {:.2f}".format(n, *mean_std(c.tolist()))  # one epoch: ± 0, not nan
+            for n, c in zip(rewards, cents.T, strict=True)
         )
     )
     for k in range(1, len(rewards)):
@@ -204,7 +207,8 @@ def main(runs: list[str]) -> None:
             for k, v in m.items():
                 if k.startswith("time/"):
                     t[k[5:]] = t.get(k[5:], 0.0) + v
-    share = {k: [100 * t[k] / sum(t.values()) for t in times] for k in times[0]}
+    phases = dict.fromkeys(k for t in times for k in t)  # a phase one run lacks counts 0 there
+    share = {k: [100 * t.get(k, 0.0) / sum(t.values()) for t in times] for k in phases}
     cells = ["{} {:.1f} ± {:.1f} %".format(k, *mean_std(v)) for k, v in share.items()]
     print(f"time (share of each run's time/*, mean ± std over runs): {', '.join(cells)}")
 

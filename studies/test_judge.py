@@ -8,6 +8,7 @@ import torch
 
 from plumbing import eval_images
 from studies import judge
+from test_recast import refused
 from worlds import toyworld as tw
 
 P = tw.HELDOUT_PROMPTS[:6]
@@ -56,6 +57,13 @@ def test_bootstrap_interval_resamples_prompts():
     lo, hi = judge.bootstrap_interval(votes, PROMPTS)
     assert 0 <= lo < judge.preference_rate(votes) < hi <= 1
     assert judge.bootstrap_interval(torch.ones(12, dtype=torch.int8), PROMPTS) == (1.0, 1.0)
+    # the unit resampled is the prompt, all its seeds together: where each prompt's seeds agree,
+    # four seeds a prompt give the interval of two (resampling images would narrow it)
+    agree = torch.tensor([1, 1, -1, -1, 1, 1, 0, 0, -1, -1, 1, 1])
+    four = [p for p in P for _ in range(4)]
+    assert judge.bootstrap_interval(agree.repeat_interleave(2), four) == pytest.approx(
+        judge.bootstrap_interval(agree, PROMPTS), abs=1e-6
+    )
 
 
 def test_judge_command_prefers_the_ideal_and_reads_both_orders(tmp_path, capsys):
@@ -84,11 +92,12 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
         ([a, other_prompts], "different prompts"),
         ([a, str(tmp_path / "empty")], "RUN_B: " + str(tmp_path / "empty") + " has no saved"),
         ([a, a, "--judge", "vlm"], "--judge-model: --judge vlm needs --judge-model"),
+        ([a, a, "--judge", "llm"], "--judge: invalid choice: 'llm'"),  # was the usage block
+        ([a], "usage: the following arguments are required: RUN_B"),
     ]
     for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            judge.main(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err, message
+        err = refused(capsys, judge.main, argv, "judge.py: error: ")
+        assert message in err, message
     index = json.loads((tmp_path / "a" / "eval_images" / "index.json").read_text())
     assert index["epoch"] == 20 and len(before) > 2
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

@@ -1,7 +1,9 @@
 """studies/recipe.py's sweep: a bad --only or --seeds exits 2 before the sweep's folder is made,
 and its runs show on a bar on stderr (stdout's table unchanged); a count below one (--threads 0)
 in recipe.py, anatomy.py and diagnostic.py exits 2, as do diagnostic.py's --group-size 1 and
---steps 1; its --steps 2 and 3 print a note; diagnostic.json is replaced whole or not at all."""
+--steps 1; its --steps 2 and 3 print a note (that diagnostic.json is replaced whole or not at
+all is plumbing/test_faults.py's); a relative --out of the sweep (and of collapse.py's run) is
+where recast.py writes its runs."""
 
 import json
 import os
@@ -21,6 +23,11 @@ def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(t
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"recipe.py: error: {flag}: ")
         assert err.count("\n") == 1 and not out.exists()
+    (tmp_path / "file").write_text("kept")  # was os.makedirs's FileExistsError traceback
+    with pytest.raises(SystemExit) as e:
+        recipe.sweep(recipe.argparse.Namespace(only="", seeds="0", out=str(tmp_path / "file")))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"recipe.py: error: --out: {tmp_path}/file is a ")
     assert recipe.sweep_plan("", "0,3") == (list(recipe.RECIPES), [0, 3])
     assert recipe.sweep_plan("", "0, 3") == (list(recipe.RECIPES), [0, 3])  # as it always took
 
@@ -101,3 +108,84 @@ def test_sweep_shows_a_bar_of_runs_on_stderr_counting_finished_ones(tmp_path, mo
     lines = stdout.splitlines()
     assert lines[0].startswith("--weighting uniform") and lines[1].startswith("| recipe |")
     assert [x.split(" | ")[:2] for x in lines[3:]] == [[f"| {n}", "0.500"] for n in names]
+
+
+def fake_recast(tmp_path, calls: list):
+    """subprocess.run as recast.py would run: its --out read in its cwd; a finished run (metrics,
+    summary.json) written there, refused outside tmp_path (the repository is left alone)."""
+
+    def run(cmd, cwd, **kwargs):
+        where = os.path.join(cwd, cmd[cmd.index("--out") + 1])
+        assert where.startswith(str(tmp_path)), f"recast.py would write to {where}"
+        calls.append(where)
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch": 2, "gap/weighted": 0.5, "time/rollout": 60.0}) + "\n")
+        open(os.path.join(where, "summary.json"), "w").close()
+        return recipe.subprocess.CompletedProcess(cmd, 0)
+
+    return run
+
+
+def test_a_relative_out_is_where_the_runs_are_written_and_read(tmp_path, monkeypatch, capsys):
+    """recast.py runs in the repository's root: a relative --out given from another folder was
+    written there by it, while the sweep looked for its runs (finished? to resume?) and read
+    their metrics here, failing after hours; collapse.py did the same in --code. Both now pass
+    the folder as an absolute path, and a second sitting skips the finished runs."""
+    from studies import collapse
+
+    calls = []
+    monkeypatch.setattr(recipe.subprocess, "run", fake_recast(tmp_path, calls))
+    monkeypatch.chdir(tmp_path)
+    only = list(recipe.RECIPES)[0]
+    for _ in range(2):
+        recipe.sweep(recipe.argparse.Namespace(only=only, seeds="0", out="sweep"))
+        assert f"| {only} | 0.500 |" in capsys.readouterr().out
+    assert calls == [str(tmp_path / "sweep" / only)]  # once: the second sitting skips it
+    calls.clear()
+    monkeypatch.setattr(collapse.subprocess, "run", fake_recast(tmp_path, calls))
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "recast.py").touch()
+    for _ in range(2):
+        collapse.main(["run", "--code", "code", "--out", "runs"])
+    assert sorted(calls) == sorted(str(tmp_path / "runs" / n) for n in collapse.RUNS)
+    said = capsys.readouterr().out.splitlines()  # each run says where its progress is logged
+    logs = [f"started: {n} (its progress: {tmp_path}/runs/{n}.log)" for n in collapse.RUNS]
+    assert sorted(said) == sorted([*logs, *(f"done: {n}" for n in collapse.RUNS)])
+
+
+@pytest.mark.parametrize("script", ["anatomy", "diagnostic"])
+def test_an_out_that_is_a_file_exits_2_before_the_work(script, tmp_path, monkeypatch, capsys):
+    """anatomy.py (a minute) and diagnostic.py (minutes) made their --out only at the end, so a
+    file there ended in os.makedirs's FileExistsError traceback with the work lost."""
+    import importlib
+
+    module = importlib.import_module(f"studies.{script}")
+    monkeypatch.setattr(module, script, lambda args: pytest.fail("ran"))
+    out = tmp_path / "figures"
+    out.write_text("kept")
+    refused(capsys, module.main, ["--out", str(out)],
+            f"{script}.py: error: --out: {out} is a file, not a folder for ")  # fmt: skip
+    assert out.read_text() == "kept"
+
+
+def test_a_failed_run_stops_the_sweep_without_starting_the_others(tmp_path, monkeypatch):
+    """A run that failed raised only after the pool had run every other queued recipe (hours);
+    now the queued ones are cancelled: the two started may finish, no third starts after it."""
+    import subprocess
+    import time
+
+    started = []
+
+    def fake_run(out, recipe_, seed):
+        started.append(os.path.basename(out))
+        if len(started) == 1:
+            raise subprocess.CalledProcessError(1, ["recast.py"])
+        time.sleep(0.3)
+        return out
+
+    monkeypatch.setattr(recipe, "run_one", fake_run)
+    only = ",".join(list(recipe.RECIPES)[:5])
+    with pytest.raises(subprocess.CalledProcessError):
+        recipe.sweep(recipe.argparse.Namespace(only=only, seeds="0", out=str(tmp_path / "s")))
+    assert len(started) <= 3, started  # the failed one, the one beside it, at most one more

@@ -5,17 +5,23 @@ import pytest
 import torch
 
 from studies import score_size
+from test_recast import refused
 
 
 @pytest.mark.parametrize("argv,flag", [(["--seeds", "1"], "--seeds"),
                                        (["--sizes", "32"], "--sizes"),
                                        (["--sizes", "16,0"], "--sizes"),
-                                       (["--sizes", "half"], "--sizes")])  # fmt: skip
+                                       (["--sizes", "half"], "--sizes"),
+                                       (["--seeds", "x"], "--seeds")])  # fmt: skip
 def test_bad_input_exits_2_naming_the_flag(argv, flag, capsys, monkeypatch):
+    """One line, exit 2 (--seeds x was argparse's usage block), here and in bf16_scoring.py."""
+    from studies import bf16_scoring
+
     monkeypatch.setattr(score_size, "scored", lambda *a: pytest.fail("rolled out"))
-    with pytest.raises(SystemExit) as e:
-        score_size.main(argv)
-    assert e.value.code == 2 and flag in capsys.readouterr().err
+    refused(capsys, score_size.main, argv, f"score_size.py: error: {flag}: ")
+    if flag == "--seeds":
+        monkeypatch.setattr(bf16_scoring, "profile", lambda *a: pytest.fail("profiled"))
+        refused(capsys, bf16_scoring.main, argv, "bf16_scoring.py: error: --seeds: ")
 
 
 def test_the_seeds_show_a_bar_on_stderr_and_the_table_is_unchanged(capsys, monkeypatch):

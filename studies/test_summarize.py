@@ -1,6 +1,7 @@
 """Tests of studies/summarize.py on made-up runs: the worst seed per row and the counts of
 runs in which each reward and judge ends above the base model; runs that are not the seeds of
-one configuration (other rewards, judges or method flags) exit 2 naming what differs."""
+one configuration (other rewards, judges or method flags) exit 2 naming what differs; its
+spearman, with anatomy.py's settled_step that reads it."""
 
 import json
 import os
@@ -154,3 +155,68 @@ def test_runs_whose_last_evals_are_at_other_epochs_get_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("note: the runs' last evals are at epochs 1, 3 (in the order given)")
     assert "\n2 runs, final epochs 1–3;" in out
+
+
+def test_runs_of_a_reward_preset_name_its_rewards_and_two_runs_of_one_seed_count_apart(
+    tmp_path, capsys
+):
+    """--rewards toy2 (a preset, as setting 2's runs are trained) ended in zip()'s ValueError
+    after the tables: W's four rows were named by the one word "toy2". And the counts named runs
+    by seed: of two runs of seed 0, one below the base model, none was said not to improve. A
+    time/ phase that one run logged and another did not was a KeyError."""
+    names = ["size", "elongation", "outline", "texture"]
+    final = {**dict.fromkeys(names, 0.1), "shape": 0.2, "iou": 0.3}
+
+    def run(name: str, seed: int, shape: float) -> str:
+        path = tmp_path / name
+        os.makedirs(path)
+        (path / "args.json").write_text(json.dumps({"seed": seed, "rewards": "toy2"}))
+        base = {"epoch": 0, **{f"eval/{n}": 0.0 for n in final}}
+        base.update({f"ideal/{n}": 1.0 for n in final})
+        last = {"epoch": 1, "W": [[0.1, 0.15], [0.15, 0.1], [0.125, 0.125], [0.125, 0.125]]}
+        last.update({f"eval/{n}": v for n, v in {**final, "shape": shape}.items()})
+        last.update({f"gap/{n}": v for n, v in {**final, "shape": shape}.items()})
+        last.update({"gap/weighted": 0.1, "time/update": 1.0})
+        last.update({"time/eval": 3.0} if seed else {})  # a phase only one run logged
+        (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in (base, last)))
+        return str(path)
+
+    summarize.main([run("a", 0, 0.2), run("b", 0, -0.1)])
+    out = capsys.readouterr().out
+    summarize.main([run("c", 1, 0.2), str(tmp_path / "a")])  # was a KeyError: 'eval' in run a
+    assert "mean ± std over runs): update 62.5 ± 53.0 %, eval 37.5 ± 53.0 %\n" in (
+        capsys.readouterr().out
+    )
+    assert (
+        "weight centroid (timestep, mean ± std over epochs): size 0.60 ± 0.00, elongation "
+        "0.40 ± 0.00, outline 0.50 ± 0.00, texture 0.50 ± 0.00" in out
+    )
+    assert "  size before elongation: 0 of 2 epochs\n" in out
+    assert "  shape improves in 1 of 2 runs (not in seed 0)\n" in out
+    assert "  iou improves in 2 of 2 runs\n" in out
+    summarize.main([str(tmp_path / "a")])  # one run of one epoch: W's std over epochs is 0
+    assert ": size 0.60 ± 0.00, elongation 0.40 ± 0.00," in capsys.readouterr().out
+
+
+def test_spearman_shares_tied_ranks_and_anatomy_settles_at_the_first_step_that_stays():
+    """summarize.spearman (anatomy.py's and diagnostic.py's ρ): tied values share their mean
+    rank, so [1, 2, 2, 3] against [1, 2, 3, 4] is 3/√10, not 1; a constant side is nan.
+    anatomy.settled_step: the first step from which every later step's ranking has ρ ≥ 0.8
+    with the final one; a constant step (nan) does not count, and step 0 is never read."""
+    import math
+
+    import torch
+
+    from studies import anatomy
+
+    assert summarize.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(3 / math.sqrt(10))
+    assert summarize.spearman([3, 1, 2], [30, 10, 20]) == pytest.approx(1)
+    assert summarize.spearman([3, 1, 2], [-3, -1, -2]) == pytest.approx(-1)
+    assert math.isnan(summarize.spearman([1, 1, 1], [1, 2, 3]))
+    final = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    steps = torch.stack([torch.zeros(4), final.flip(0), final, final * 2, final])  # T = 4
+    assert anatomy.settled_step(steps) == 2  # step 1 reversed; 2, 3 agree with the final
+    steps[3] = 5.0  # constant at step 3: nan, so nothing before the final is settled
+    assert anatomy.settled_step(steps) == 4
+    steps[3], steps[1] = final, final  # all agree: settled from step 1; step 0 (zeros) unread
+    assert anatomy.settled_step(steps) == 1
