@@ -24,7 +24,8 @@ docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
 `torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py);
 with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards);
-above 8, nodes of 8 GPUs (GPUS_PER_NODE), each sharding the models among its own (HSDP).
+above 8, nodes of 8 GPUs (GPUS_PER_NODE; --world-size a multiple of 8), each sharding the models
+among its own (HSDP).
 
 Each phase of one epoch runs recast.py's own phase functions on those meta models (PlannedRun, a
 harness.Run with the planner's hooks), under a tracer that counts every tensor's bytes as a CUDA
@@ -177,13 +178,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         fail("--world-size", f"must be ≥ 1, got {own.world_size}")
     if own.shrink and own.shrink not in modelzoo.SHRINKS:
         fail("--shrink", f"must be one of {', '.join(map(str, modelzoo.SHRINKS))}")
-    if own.check_cpu and not own.shrink and "--model" not in rest:
+    if own.check_cpu and not own.shrink and model_flag(rest) == "sd35m":
         fail("--check-cpu", "runs the same calls for real on this CPU: give --shrink 4 (or 8, 16) "
              "or a small --model folder")  # fmt: skip
     folder = os.path.dirname(os.path.abspath(own.json)) if own.json else ""
     if own.json and (os.path.isdir(own.json) or not os.access(folder, os.W_OK)):
         fail("--json", f"{own.json} cannot be written: give a file in a writable folder")
-    model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else "sd35m"
+    # --model as recast.py's parser reads it (--model=NAME, an abbreviation, the last given)
+    model = model_flag(rest)
     if model in CONFIG_MODELS:
         rest = [*rest, "--model", model]
     elif not os.path.isfile(os.path.join(model, "model_index.json")):
@@ -204,6 +206,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     if args.shard and own.world_size < 2:
         fail("--shard", "plans one rank of a sharded torchrun run: give --world-size N (N ≥ 2), "
              "or drop --shard")  # fmt: skip
+    if args.shard and own.world_size > GPUS_PER_NODE and own.world_size % GPUS_PER_NODE:
+        # torchrun starts as many ranks on each node: nodes of 8 make a multiple of 8
+        fail("--world-size", f"above {GPUS_PER_NODE} GPUs --shard is planned on nodes of "
+             f"{GPUS_PER_NODE}, each sharding the models among its own: give a multiple of "
+             f"{GPUS_PER_NODE}, got {own.world_size}")  # fmt: skip
     harness.check_rewards(args, names, judges)
     try:
         args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
@@ -231,6 +238,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
                  f"{example.relative_to(ROOT)})")  # fmt: skip
     own.names, own.judges = names, judges
     return own, args
+
+
+def model_flag(rest: list[str]) -> str:
+    """The --model of recast.py's flags `rest`, read as argparse reads it (the last one given,
+    --model=NAME, an unambiguous abbreviation); "sd35m" where none is given."""
+    ap = cli.Parser(prog="memory_plan.py", add_help=False)
+    ap.add_argument("--model", default="sd35m")
+    return ap.parse_known_args(rest)[0].model
 
 
 def reward_specs(given: list[str]) -> dict:

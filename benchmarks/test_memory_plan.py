@@ -245,6 +245,32 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_p
         assert all(name in err for name in mp.CONFIG_MODELS), err
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model=flux1-schnell"],
+        ["--mod", "flux1-schnell"],  # an abbreviation recast.py's argparse takes
+        ["--model", "qwen-image", "--model", "flux1-schnell"],  # the last one, as argparse
+    ],
+)
+def test_model_is_read_as_recast_py_reads_it(flags):
+    """--model in each form argparse takes is the model planned (--model=NAME planned
+    SD3.5-Medium: the planner looked for the word --model and appended --model sd35m)."""
+    _, args = mp.parse(flags)
+    assert args.model == "flux1-schnell"
+
+
+def test_shard_above_one_node_needs_whole_nodes_of_8(capsys):
+    """--shard on 12 ranks: torchrun starts as many ranks on every node, so no layout of nodes
+    of 8 has 12; the planner sharded among 8 anyway. One line, exit 2, naming --world-size."""
+    with pytest.raises(SystemExit) as e:
+        mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48", "--shard"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --world-size:" in err and err.count("\n") == 1
+    mp.parse(["--world-size", "16", "--prompts", "64", "--batch-size", "64", "--shard"])
+    mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48"])  # DDP: any count
+
+
 @pytest.mark.parametrize("weighting", ["uniform", "sum"])
 def test_uniform_and_sum_plan_as_recast_py_takes_them(weighting):
     """Their --gain-shift default is 0, as in recast.py (the planner refused them before)."""
