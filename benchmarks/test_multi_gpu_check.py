@@ -51,6 +51,8 @@ def test_the_plan_runs_what_the_gpus_allow_and_says_why_not(gpus, skipped, tmp_p
         (["--gpus", "-2", "--device", "cpu"], "--gpus", "must be ≥ 1, got -2"),
         (["--gpus", "2", "--device", "cpu", "--budget", "0"], "--budget", "seconds > 0"),
         (["--gpus", "2", "--device", "cpu", "--budget", "nan"], "--budget", "seconds > 0"),
+        (["--gpus", "two", "--device", "cpu"], "--gpus", "invalid int value"),  # argparse's:
+        (["--gpus", "2", "--device", "gpu"], "--device", "invalid choice"),  # one line too
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, said, tmp_path,
@@ -60,7 +62,7 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, said,
         mgc.main([*flags, "--out", str(out)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"multi_gpu_check.py: error: {flag}: " in err and said in err
-    assert not out.exists()
+    assert err.count("\n") == 1 and not out.exists()
 
 
 def test_more_gpus_than_visible_or_none_exit_2(tmp_path, capsys, monkeypatch):
@@ -181,3 +183,41 @@ def test_one_rank_runs_the_single_gpu_steps(tmp_path):
     assert kill["killed"].startswith("rank 0 ") and kill["survivors"] == {}
     assert kill["launcher"]["exit"] != 0 and kill["checkpoint kept"].startswith("runs/sd3_killed")
     assert "- survivors: none (one rank)" in text
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_every_run_of_the_check_passes_recast_py_s_checks_on_its_ranks(gpus, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """Each recast.py command the steps launch, through recast.py's own flag checks on the ranks
+    it runs on (the commands recorded, none run). docs/gpu/README.md's `--gpus 8` launched the toy
+    world's 4 prompts and the tiny SD3's --batch-size 4 on 8 ranks, which recast.py refuses: the
+    toy, shard, kill and resume steps failed at once on 3, 5, 6, 7 or 8 GPUs."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    launched = []  # (ranks, recast.py's flags)
+
+    def record(command, ranks):
+        if mgc.RECAST in command:
+            launched.append((ranks, command[command.index(mgc.RECAST) + 1 :]))
+
+    def run(self, step, name, command, env=None):
+        nproc = [w for w in command if w.startswith("--nproc-per-node=")]
+        record(command, int(nproc[0].split("=")[1]) if nproc else 1)
+        return True
+
+    monkeypatch.setattr(mgc.Check, "run", run)
+    monkeypatch.setattr(mgc, "build_models", lambda folder, n: (["--model", "tiny", *mgc.SD3], {}))
+    monkeypatch.setattr(mgc, "hsdp_step", lambda check, step, flags, env: record(
+        [mgc.RECAST, *flags, "--shard"], 4))  # fmt: skip
+    monkeypatch.setattr(mgc, "kill_mid_epoch", lambda check, step, flags, env, run, n: record(
+        [mgc.RECAST, *flags, "--epochs", "20"], n))  # fmt: skip
+    check = mgc.Check(mgc.argparse.Namespace(budget=600, device="cpu"), tmp_path)
+    mgc.run_steps(check, gpus)
+    assert launched and all("--resume" in f or "--prompts" in f for _, f in launched)
+    for ranks, flags in launched:
+        if "--resume" in flags:  # the killed run's flags, checked when it was launched
+            continue
+        args = cli.parse(recast.Args, flags, recast.__doc__, harness.BEFORE)
+        cli.check(args, ranks, harness.RESUMABLE, harness.BEFORE)  # exits 2 where recast.py would
