@@ -1009,13 +1009,14 @@ def verdict(peaks: dict, gpu_gib: float) -> dict:
 
 
 def alternatives(args, world_size: int = 1) -> list[dict]:
-    """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun)
-    --shard with it, then --batch-size halved (down to 1 pair per GPU) with --grad-accum doubled,
-    so an optimizer step keeps its pairs."""
+    """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun,
+    on whole nodes of GPUS_PER_NODE above it) --shard with it, then --batch-size halved (down to
+    1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its pairs."""
     out, batch, accum = [], args.batch_size, args.grad_accum
     if not args.grad_checkpointing:
         out.append({"grad_checkpointing": True})
-    shard = {"shard": True} if world_size > 1 or args.shard else {}
+    nodes = world_size <= GPUS_PER_NODE or world_size % GPUS_PER_NODE == 0  # as parse takes it
+    shard = {"shard": True} if (world_size > 1 and nodes) or args.shard else {}
     if shard and not args.shard:
         out.append({"grad_checkpointing": True, **shard})
     while batch % 2 == 0 and len(out) < 4 + bool(shard):

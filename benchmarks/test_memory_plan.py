@@ -268,7 +268,9 @@ def test_shard_above_one_node_needs_whole_nodes_of_8(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: --world-size:" in err and err.count("\n") == 1
     mp.parse(["--world-size", "16", "--prompts", "64", "--batch-size", "64", "--shard"])
-    mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48"])  # DDP: any count
+    own, args = mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48"])  # DDP
+    assert not any("shard" in alt for alt in mp.alternatives(args, 12))  # nor suggested
+    assert {"grad_checkpointing": True, "shard": True} in mp.alternatives(args, 16)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "sum"])
