@@ -475,13 +475,16 @@ def hsdp_step(check: Check, step: Step, flags: list[str], env: dict) -> bool:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs, logs, tic = [], [], time.monotonic()
+    # the first 4 GPUs this process sees: CUDA_VISIBLE_DEVICES' own where it names them
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpus = visible or [str(i) for i in range(4)]
     for node in (0, 1):
         command = [check.py, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                    f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                    RECAST, *common, "--out", str(hsdp)]  # fmt: skip
         node_env = dict(env)
         if check.device == "cuda":
-            node_env["CUDA_VISIBLE_DEVICES"] = f"{2 * node},{2 * node + 1}"
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[2 * node : 2 * node + 2])
         logs.append((check.logs / f"sd3_hsdp_node{node}.log").open("w"))
         procs.append((command, subprocess.Popen(command, cwd=ROOT, env=node_env, stdout=logs[-1],
                                                 stderr=subprocess.STDOUT,

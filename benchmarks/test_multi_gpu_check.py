@@ -221,3 +221,29 @@ def test_every_run_of_the_check_passes_recast_py_s_checks_on_its_ranks(gpus, tmp
             continue
         args = cli.parse(recast.Args, flags, recast.__doc__, harness.BEFORE)
         cli.check(args, ranks, harness.RESUMABLE, harness.BEFORE)  # exits 2 where recast.py would
+
+
+@pytest.mark.parametrize(("visible", "nodes"), [(None, ["0,1", "2,3"]),
+                                                ("4,5,6,7", ["4,5", "6,7"])])  # fmt: skip
+def test_hsdp_s_nodes_take_the_gpus_this_process_sees(visible, nodes, tmp_path, monkeypatch):
+    """On CUDA the two posed nodes each take 2 of the GPUs the check sees: under
+    CUDA_VISIBLE_DEVICES=4,5,6,7 they were given GPUs 0-1 and 2-3 all the same (others' GPUs, or
+    none). The launchers are recorded, not run."""
+    given = []
+
+    class Launched:
+        pid = 0
+
+        def __init__(self, command, env, **_):
+            given.append(env.get("CUDA_VISIBLE_DEVICES"))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(mgc.subprocess, "Popen", Launched)
+    monkeypatch.setattr(mgc.Check, "run", lambda self, step, name, command, env=None: True)
+    check = mgc.Check(mgc.argparse.Namespace(budget=600, device="cuda"), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+    mgc.hsdp_step(check, mgc.Step("hsdp", ""), ["--model", "tiny"], env)
+    assert given == nodes
