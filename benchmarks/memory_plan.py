@@ -206,6 +206,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     if args.shard and own.world_size < 2:
         fail("--shard", "plans one rank of a sharded torchrun run: give --world-size N (N ≥ 2), "
              "or drop --shard")  # fmt: skip
+    if args.shard and own.check_cpu and own.world_size > GPUS_PER_NODE:
+        # its gloo processes, without torchrun's nodes, shard on one flat mesh of every rank
+        fail("--check-cpu", f"with --shard runs --world-size gloo processes as one node: give "
+             f"--world-size {GPUS_PER_NODE} or fewer, got {own.world_size}")  # fmt: skip
     if args.shard and own.world_size > GPUS_PER_NODE and own.world_size % GPUS_PER_NODE:
         # torchrun starts as many ranks on each node: nodes of 8 make a multiple of 8
         fail("--world-size", f"above {GPUS_PER_NODE} GPUs --shard is planned on nodes of "

@@ -232,6 +232,11 @@ def test_other_families_plan_through_their_part_and_agree_with_the_cpu_allocator
         (["--model", "flux2-klein-4b", "--shrink", "4"], "--shrink"),  # SD3.5-Medium's only
         (["--shard"], "--shard"),  # one rank of how many?
         (["--shard", "--world-size", "1"], "--shard"),
+        # 16 gloo processes shard on one flat mesh, the plan on nodes of 8: not comparable
+        (
+            "--shard --world-size 16 --prompts 64 --batch-size 64 --shrink 8 --check-cpu".split(),
+            "--check-cpu",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_path, capsys):
