@@ -89,12 +89,14 @@ def test_more_gpus_than_visible_or_none_exit_2(tmp_path, capsys, monkeypatch):
     assert [p.name for p in out.iterdir()] == ["report.md"]
 
 
-def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0.05) -> Path:
-    """A run folder: metrics.jsonl of epochs 0-3, and epoch 3's checkpoint of two LoRA tensors."""
+def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0.05,
+             reward: float = 0.0) -> Path:  # fmt: skip
+    """A run folder: metrics.jsonl of epochs 0-3 (the rewards moved by `reward`), and epoch 3's
+    checkpoint of two LoRA tensors."""
     folder.mkdir(parents=True)
     lines = [{"epoch": 0, "eval/pickscore": 0.5}]
-    lines += [{"epoch": e, "reward/pickscore": 0.1 * e, "eval/pickscore": 0.5, "loss": loss,
-               "W": [[w, 0.25], [0.25, 0.25]]} for e in (1, 2, 3)]  # fmt: skip
+    lines += [{"epoch": e, "reward/pickscore": 0.1 * e + reward, "eval/pickscore": 0.5,
+               "loss": loss, "W": [[w, 0.25], [0.25, 0.25]]} for e in (1, 2, 3)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     ckpt = folder / "ckpt" / "epoch_0003"
     ckpt.mkdir(parents=True)
@@ -105,7 +107,7 @@ def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0
 
 
 def test_comparisons_pass_within_tolerance_and_fail_beyond(tmp_path):
-    """The verdict can fail: W, the loss, the adapters or a missing epoch beyond the CUDA
+    """The verdict can fail: W, the loss, a reward, the adapters or a missing epoch beyond the CUDA
     tolerances of the tiny SD3 each fail the comparison; within them it passes."""
     tol, epochs = mgc.TOLERANCES["sd3", "cuda"], [0, 1, 2, 3]
     ref = fake_run(tmp_path / "ref")
@@ -116,6 +118,7 @@ def test_comparisons_pass_within_tolerance_and_fail_beyond(tmp_path):
     assert rows[-1][0].startswith("LoRA B") and rows[-1][-1]
     for name, kwargs, failing in (("w", {"w": 0.26}, "W (largest entry difference)"),
                                   ("loss", {"loss": 1.05}, "loss"),
+                                  ("reward", {"reward": 0.05}, "reward/pickscore"),
                                   ("lora", {"lora_b": 0.06}, "LoRA B")):  # fmt: skip
         ok, rows = mgc.compare(fake_run(tmp_path / name, **kwargs), ref, tol, epochs)
         assert not ok and [r[0] for r in rows if not r[-1]][0].startswith(failing), rows
