@@ -229,6 +229,15 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         fail(e.flag, str(e))
     if args.prompts_file == os.devnull:
         args.prompts_file = ""
+    # harness.check_held_out's rule, on the held-out prompts the plan evaluates
+    given = bool(args.eval_prompts_file)
+    held = len(diffusersworld.read_prompts(args.eval_prompts_file)) if given else own.eval_prompts
+    unequal = args.shard and held * args.eval_seeds % own.world_size
+    if held < own.world_size or unequal:
+        fail("--eval-prompts-file" if given else "--eval-prompts", f"{held} held-out prompts × "
+             f"--eval-seeds {args.eval_seeds} on {own.world_size} processes: recast.py needs one "
+             "prompt a process at least, and under --shard a multiple of the processes (equal "
+             "shares)")  # fmt: skip
     own.specs = reward_specs(own.reward_config)
     for flag, group in (("--rewards", names), ("--judges", judges)):
         # a reward registered in rewards.LOADERS by a user: its model is not known here

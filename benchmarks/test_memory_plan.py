@@ -232,6 +232,9 @@ def test_other_families_plan_through_their_part_and_agree_with_the_cpu_allocator
         (["--model", "flux2-klein-4b", "--shrink", "4"], "--shrink"),  # SD3.5-Medium's only
         (["--shard"], "--shard"),  # one rank of how many?
         (["--shard", "--world-size", "1"], "--shard"),
+        # harness.check_held_out's refusals, which recast.py makes before loading
+        (["--world-size", "8", "--eval-prompts", "4"], "--eval-prompts"),
+        ("--world-size 2 --shard --eval-prompts 3 --eval-seeds 1".split(), "--eval-prompts"),
         # 16 gloo processes shard on one flat mesh, the plan on nodes of 8: not comparable
         (
             "--shard --world-size 16 --prompts 64 --batch-size 64 --shrink 8 --check-cpu".split(),
