@@ -1059,6 +1059,15 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     return tried
 
 
+def shown_if_changed(settings: dict, *names: str) -> str:
+    """` --flag value` of each of `names` whose value is not recast.py's default (it changes the
+    plan: --weighting uniform scores no step prediction, --train-frac trains fewer pairs)."""
+    default = recast.Args()
+    return "".join(f" {cli.flag_of(n)} {settings[n]:g}" if isinstance(settings[n], float)
+                   else f" {cli.flag_of(n)} {settings[n]}" for n in names
+                   if settings.get(n, getattr(default, n)) != getattr(default, n))  # fmt: skip
+
+
 def lines(report: dict) -> list[str]:
     a, v = report["settings"], report["verdict"]
     unit, div = ("GiB", GIB) if v["peak_gib"] >= 1 else ("MiB", 2**20)
@@ -1071,7 +1080,8 @@ def lines(report: dict) -> list[str]:
            f"{' --shard' if a.get('shard') else ''} --rewards "
            f"{','.join(report['rewards'])}{judges}{guidance} --kl-coef {a['kl_coef']:g} "
            f"--gain-frac {a['gain_frac']:.4g} --score-precision {a['score_precision']}"
-           f"{' --score-size ' + str(a['score_size']) if a.get('score_size') else ''}")  # fmt: skip
+           f"{' --score-size ' + str(a['score_size']) if a.get('score_size') else ''}"
+           f"{shown_if_changed(a, 'weighting', 'train_frac')}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
          f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
          f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",

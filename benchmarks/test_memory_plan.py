@@ -549,3 +549,21 @@ def test_a_reward_config_without_the_sizes_its_kind_needs_exits_2(
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: --reward-config:" in err and lacks in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_printed_command_names_the_flags_that_change_the_plan():
+    """--weighting uniform (no step scoring) and --train-frac (fewer pairs) change the plan, and
+    the command the plan prints left them out: a plan of `--train-frac 0.25 --weighting uniform`
+    read as one of the defaults."""
+    own, args = mp.parse(["--train-frac", "0.25", "--weighting", "uniform"])
+    kinds = dict.fromkeys(mp.memtrace.KINDS, mp.GIB)
+    peaks = {"update": {"peak": 6 * mp.GIB, **kinds}}
+    report = {"settings": vars(args), "rewards": own.names, "judges": own.judges,
+              "world_size": 1, "shrunk": "", "peaks": peaks, "eval_images": 64, "seconds": 60,
+              "verdict": mp.verdict(peaks, own.gpu_memory)}  # fmt: skip
+    head = mp.lines(report)[0]
+    assert head.endswith(" --weighting uniform --train-frac 0.25"), head
+    _, defaults = mp.parse([])
+    report["settings"] = vars(defaults)
+    head = mp.lines(report)[0]
+    assert "--weighting" not in head and "--train-frac" not in head, head
