@@ -22,7 +22,8 @@ SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size w
 tokenizers) or from a pipeline folder's configurations, and the training flags default to
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
-`torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py);
+`torchrun --nproc_per_node=N` run (as recast.py reads them, --prompts counts all ranks, and
+--batch-size all ranks' pairs in the update but each rank's images in the rollout and eval);
 with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards);
 above 8, nodes of 8 GPUs (GPUS_PER_NODE; --world-size a multiple of 8), each sharding the models
 among its own (HSDP).
