@@ -730,7 +730,8 @@ def epoch(run, marks: Marks, bar) -> None:
     args, world, ws, G = loop.args, loop.world, loop.world_size, loop.args.group_size
     T, device = len(loop.sigmas) - 1, world.device
     E = len(world.eval_prompts) * args.eval_seeds
-    E_local = math.ceil(E / ws)  # rank 0's share of the held-out images
+    E_local = math.ceil(E / ws)  # the largest share of the held-out images (Run.share: rank 0
+    # holds ⌊E / ws⌋, the last ranks ⌈E / ws⌉), planned on rank 0 as the most a rank holds
     with marks.making("data"):  # EvalSet keeps the base model's eval images on rank 0
         base_images = torch.zeros(E_local, 3, args.resolution, args.resolution, device=device)
 
