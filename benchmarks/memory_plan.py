@@ -1023,15 +1023,17 @@ def verdict(peaks: dict, gpu_gib: float) -> dict:
             "margin_gib": gpu_gib - need, "fits": need <= gpu_gib}  # fmt: skip
 
 
-def alternatives(args, world_size: int = 1) -> list[dict]:
+def alternatives(args, world_size: int = 1, eval_images: int = 0) -> list[dict]:
     """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun,
-    on whole nodes of GPUS_PER_NODE above it) --shard with it, then --batch-size halved (down to
-    1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its pairs."""
+    on whole nodes of GPUS_PER_NODE above it, and where the `eval_images` held-out images split
+    equally, as --shard needs: harness.check_held_out) --shard with it, then --batch-size halved
+    (down to 1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its pairs."""
     out, batch, accum = [], args.batch_size, args.grad_accum
     if not args.grad_checkpointing:
         out.append({"grad_checkpointing": True})
     nodes = world_size <= GPUS_PER_NODE or world_size % GPUS_PER_NODE == 0  # as parse takes it
-    shard = {"shard": True} if (world_size > 1 and nodes) or args.shard else {}
+    equal = eval_images % world_size == 0
+    shard = {"shard": True} if (world_size > 1 and nodes and equal) or args.shard else {}
     if shard and not args.shard:
         out.append({"grad_checkpointing": True, **shard})
     while batch % 2 == 0 and len(out) < 4 + bool(shard):
@@ -1049,7 +1051,8 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     """Plans of alternatives(args), until one fits (those with a batch a world size cannot split
     are skipped)."""
     tried = []
-    for change in alternatives(args, own.world_size):
+    held = len(diffusersworld.read_prompts(args.eval_prompts_file)) * args.eval_seeds
+    for change in alternatives(args, own.world_size, held):
         if change.get("batch_size", own.world_size) % own.world_size:
             continue
         changed = recast.Args(**{**vars(args), **change})

@@ -279,6 +279,10 @@ def test_shard_above_one_node_needs_whole_nodes_of_8(capsys):
     own, args = mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48"])  # DDP
     assert not any("shard" in alt for alt in mp.alternatives(args, 12))  # nor suggested
     assert {"grad_checkpointing": True, "shard": True} in mp.alternatives(args, 16)
+    # 3 ranks: 64 held-out images do not split equally, as --shard needs; 63 do
+    _, args = mp.parse(["--world-size", "3", "--prompts", "48", "--batch-size", "48"])
+    assert not any("shard" in alt for alt in mp.alternatives(args, 3, 64))
+    assert {"grad_checkpointing": True, "shard": True} in mp.alternatives(args, 3, 63)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "sum"])
