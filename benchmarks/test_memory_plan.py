@@ -571,3 +571,26 @@ def test_the_printed_command_names_the_flags_that_change_the_plan():
     report["settings"] = vars(defaults)
     head = mp.lines(report)[0]
     assert "--weighting" not in head and "--train-frac" not in head, head
+
+
+@pytest.mark.parametrize(("shard", "ranks", "gpu", "rank0", "node"), [
+    (False, 2, 836, 784, 1568),  # every model whole on every GPU, the pipeline on every host
+    (True, 2, 992, 784, 864),  # half of each row a rank, the largest tensor broadcast whole
+    (True, 16, 728, 784, 1344),  # HSDP: shards of a node's 8 ranks, 2 rows of 16 a rank
+])  # fmt: skip
+def test_loading_counts_each_model_as_its_docstring_says(shard, ranks, gpu, rank0, node):
+    """load_phase on small models whose bytes are counted by hand: a sharded Linear(10, 16) (640
+    + 64 B), the VAE's Linear(4, 4) (80 B), a reward's Linear(3, 2) (32 B), a 20 B head tensor.
+    The tiny plans' test compares loading's figures with each other only (sharded below unsharded),
+    which e.g. dropping the broadcast tensor or sharding among all 16 ranks passes."""
+    import types
+
+    torch.manual_seed(0)
+    shardable, vae, reward = (torch.nn.Linear(i, o) for i, o in ((10, 16), (4, 4), (3, 2)))
+    world = types.SimpleNamespace(pipe=types.SimpleNamespace(vae=vae))
+    run = {"world": world, "shardable": [shardable], "args": types.SimpleNamespace(shard=shard),
+           "held": [shardable, vae, reward, torch.zeros(5)]}  # fmt: skip
+    load = mp.load_phase(run, types.SimpleNamespace(world_size=ranks))
+    assert (load["peak"], load["parameters"]) == (gpu, gpu)
+    assert (load["host_rank0"], load["host_node"]) == (rank0, node)
+    assert load["host_rank"] == (80 if shard else 784)  # the VAE; or the pipeline whole
