@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,7 @@ def test_a_sharded_plan_agrees_with_two_gloo_ranks(tiny):
 
 BUILD_TOKENIZERS = """
 import sys
+import warnings
 sys.path.insert(0, {root!r})
 from benchmarks import modelzoo
 bad = 0
@@ -594,3 +596,53 @@ def test_loading_counts_each_model_as_its_docstring_says(shard, ranks, gpu, rank
     assert (load["peak"], load["parameters"]) == (gpu, gpu)
     assert (load["host_rank0"], load["host_node"]) == (rank0, node)
     assert load["host_rank"] == (80 if shard else 784)  # the VAE; or the pipeline whole
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_shards_gather_each_layer_while_it_computes_and_the_next_ahead(prefetch):
+    """Shards, --shard's emulated FSDP2, on a root with 3 layers: the groups gathered while each
+    layer's forward and backward run. The GPU form (`prefetch`, which the gloo check never runs)
+    keeps the previous layer until the next has run; backward gathers the layer computed next
+    ahead; after each pass only the shards remain. Fails if the root's end leaves its last layer
+    gathered, or the prefetch is dropped, or backward does not gather ahead."""
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            x = self.proj(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with torch.device("meta"):
+        root = Root()
+    shards = mp.Shards([root], 2, mp.memtrace.StorageTracker("meta", 1), None, prefetch, False)
+    name = {id(root): "root", **{id(b): f"b{i}" for i, b in enumerate(root.blocks)}}
+    seen = []
+
+    def record(when):
+        return lambda *_: seen.append((when, sorted(name[k] for k in shards.live)))
+
+    for i, b in enumerate(root.blocks):  # after Shards' own hooks, which gather first
+        b.register_forward_pre_hook(record(f"forward b{i}"))
+        b.register_full_backward_pre_hook(record(f"backward b{i}"))
+    x = torch.empty(2, 4, device="meta", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = root(x)
+        seen.append(("after forward", sorted(name[k] for k in shards.live)))
+        y.sum().backward()
+    seen.append(("after backward", sorted(name[k] for k in shards.live)))
+    held = ["b0"] if prefetch else []
+    assert seen == [("forward b0", ["b0", "root"]),
+                    ("forward b1", sorted([*held, "b1", "root"])),
+                    ("forward b2", sorted([*(["b1"] if prefetch else []), "b2", "root"])),
+                    ("after forward", []),
+                    ("backward b2", ["b1", "b2", "root"]),
+                    ("backward b1", ["b0", "b1", "root"]),
+                    ("backward b0", ["b0", "root"]),
+                    ("after backward", [])]  # fmt: skip
