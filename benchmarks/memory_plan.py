@@ -110,6 +110,7 @@ CONFIG_MODELS = {"sd35m": ("SD3.5-Medium", "StableDiffusion3Pipeline"),
                  "flux2-klein-4b": ("FLUX.2-klein 4B", "Flux2KleinPipeline"),
                  "qwen-image": ("Qwen-Image", "QwenImagePipeline")}  # fmt: skip
 EVAL_PROMPTS = 32  # held-out prompts when no --eval-prompts-file is given
+STAND_IN_PROMPTS = ROOT / "prompts" / "ocr_train.txt"  # for recast.py's checks (parse)
 # What the trace does not count (docs/sd35.md says where each figure comes from)
 CONTEXT_GIB = 1.0  # CUDA context and kernels: 0.5-1 GiB on recent drivers; the upper end
 WORKSPACE_GIB = 0.5  # cuBLAS (tens of MiB per stream); cuDNN's convolution workspaces are traced
@@ -147,8 +148,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         "this: 2, 4, 8 or 16 (modelzoo.SHRINKS); default 0, the real sizes",
     )
     ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
-                    help="held-out prompts, when no --eval-prompts-file is given "
-                    f"(default {EVAL_PROMPTS})")  # fmt: skip
+                    help="held-out prompts, when neither --eval-prompts-file nor --prompts-file "
+                    "is given (a --prompts-file alone: its last 10 %%, as recast.py holds out; "
+                    f"default {EVAL_PROMPTS})")  # fmt: skip
     ap.add_argument(
         "--no-suggest",
         action="store_true",
@@ -217,22 +219,21 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
              f"{GPUS_PER_NODE}, each sharding the models among its own: give a multiple of "
              f"{GPUS_PER_NODE}, got {own.world_size}")  # fmt: skip
     harness.check_rewards(args, names, judges)
-    try:
-        args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
-        diffusersworld.check(args)
+    given = args.prompts_file  # none: the plan writes its own (prompt_files); until then a
+    args.prompts_file = given or str(STAND_IN_PROMPTS)  # shipped file stands in, so that the
+    try:  # checks after it run (os.devnull, not a file, stopped them: a missing
+        diffusersworld.check(args)  # --eval-prompts-file ended in a traceback)
     except diffusersworld.BadInput as e:
-        if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
-            fail(e.flag, str(e))
+        fail(e.flag, str(e))
+    args.prompts_file = given
     try:  # the family's flags (FLUX.1-dev's --guidance, the resolution's step), as at load
         family, configs = family_configs(model)
         family.check(configs, args)
     except diffusersworld.BadInput as e:
         fail(e.flag, str(e))
-    if args.prompts_file == os.devnull:
-        args.prompts_file = ""
     # harness.check_held_out's rule, on the held-out prompts the plan evaluates
-    given = bool(args.eval_prompts_file)
-    held = len(diffusersworld.read_prompts(args.eval_prompts_file)) if given else own.eval_prompts
+    given = bool(args.eval_prompts_file or args.prompts_file)  # else the planner's --eval-prompts
+    held = held_out(args, own.eval_prompts)
     unequal = args.shard and held * args.eval_seeds % own.world_size
     if held < own.world_size or unequal:
         fail("--eval-prompts-file" if given else "--eval-prompts", f"{held} held-out prompts × "
@@ -846,15 +847,24 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
 # ---------------------------------------------------------------------------------------------
 def prompt_files(args, tmp: Path, n_eval: int) -> None:
     """Generated prompts (long enough to fill CLIP's 77 tokens) where no file was given: n_eval
-    held-out ones."""
+    held-out ones where neither file was (a --prompts-file alone: recast.py holds out its last
+    10 %, diffusersworld.split_prompts, and so does the plan's world)."""
     if not args.prompts_file:
+        if not args.eval_prompts_file:
+            path = tmp / "eval.txt"
+            path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
+            args.eval_prompts_file = str(path)
         path = tmp / "prompts.txt"
         path.write_text("\n".join(modelzoo.prompts(max(64, args.prompts))) + "\n")
         args.prompts_file = str(path)
-    if not args.eval_prompts_file:
-        path = tmp / "eval.txt"
-        path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
-        args.eval_prompts_file = str(path)
+
+
+def held_out(args, n_eval: int) -> int:
+    """The held-out prompts of the run: --eval-prompts-file's, else the last 10 % of
+    --prompts-file (diffusersworld.split_prompts), else n_eval (the planner's --eval-prompts)."""
+    if not args.prompts_file and not args.eval_prompts_file:
+        return n_eval
+    return len(diffusersworld.split_prompts(args.prompts_file, args.eval_prompts_file)[1])
 
 
 # a node's ranks (at most --world-size): the host memory of loading is a node's, and above it
@@ -1051,7 +1061,7 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     """Plans of alternatives(args), until one fits (those with a batch a world size cannot split
     are skipped)."""
     tried = []
-    held = len(diffusersworld.read_prompts(args.eval_prompts_file)) * args.eval_seeds
+    held = held_out(args, own.eval_prompts) * args.eval_seeds
     for change in alternatives(args, own.world_size, held):
         if change.get("batch_size", own.world_size) % own.world_size:
             continue
@@ -1143,8 +1153,8 @@ def main(argv: list[str] | None = None) -> None:
                   "world_size": own.world_size,
                   "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
                   "verdict": verdict(peaks, own.gpu_memory),
-                  "eval_images": math.ceil(len(diffusersworld.read_prompts(args.eval_prompts_file))
-                                           * args.eval_seeds / own.world_size)}  # fmt: skip
+                  "eval_images": math.ceil(held_out(args, own.eval_prompts) * args.eval_seeds
+                                           / own.world_size)}  # fmt: skip
         if not report["verdict"]["fits"] and not own.no_suggest:
             report["alternatives"] = suggest(own, args, c, Path(tmp))
         if own.check_cpu:

@@ -646,3 +646,25 @@ def test_shards_gather_each_layer_while_it_computes_and_the_next_ahead(prefetch)
                     ("backward b1", ["b0", "b1", "root"]),
                     ("backward b0", ["b0", "root"]),
                     ("after backward", [])]  # fmt: skip
+
+
+def test_a_prompts_file_alone_holds_out_its_last_tenth_as_recast_py_does(tmp_path, capsys):
+    """recast.py with --prompts-file and no --eval-prompts-file evaluates the file's last 10 %
+    (diffusersworld.split_prompts); the plan evaluated 32 generated prompts instead (149 of
+    docs' 1,488 geneval prompts: 298 images kept, planned as 64). A missing --eval-prompts-file
+    ended in a FileNotFoundError traceback."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"a cat number {i}" for i in range(30)) + "\n")
+    own, args = mp.parse(["--prompts-file", str(prompts)])
+    assert mp.held_out(args, own.eval_prompts) == 3
+    mp.prompt_files(args, tmp_path, own.eval_prompts)
+    assert args.prompts_file == str(prompts) and args.eval_prompts_file == ""  # the world splits
+    assert mp.held_out(args, own.eval_prompts) == 3
+    for flags, said in (
+        (["--prompts-file", str(prompts), "--world-size", "4"], "3 held-out"),  # for 4 processes
+        (["--eval-prompts-file", str(tmp_path / "no.txt")], "is not a file"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            mp.parse(flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "error: --eval-prompts-file: " in err and said in err, err
