@@ -225,6 +225,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         diffusersworld.check(args)  # --eval-prompts-file ended in a traceback)
     except diffusersworld.BadInput as e:
         fail(e.flag, str(e))
+    if given or args.eval_prompts_file:  # what a reward reads from each prompt (ocr's quoted
+        harness.check_prompts(args, names, judges)  # text), in the files given
     args.prompts_file = given
     try:  # the family's flags (FLUX.1-dev's --guidance, the resolution's step), as at load
         family, configs = family_configs(model)

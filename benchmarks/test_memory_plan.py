@@ -663,8 +663,11 @@ def test_a_prompts_file_alone_holds_out_its_last_tenth_as_recast_py_does(tmp_pat
     for flags, said in (
         (["--prompts-file", str(prompts), "--world-size", "4"], "3 held-out"),  # for 4 processes
         (["--eval-prompts-file", str(tmp_path / "no.txt")], "is not a file"),
+        # ocr reads the quoted text of every prompt it scores, and these have none
+        (["--prompts-file", str(prompts), "--rewards", "paper2"], "quot"),
     ):
         with pytest.raises(SystemExit) as e:
             mp.parse(flags)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and "error: --eval-prompts-file: " in err and said in err, err
+        assert e.value.code == 2 and "error: --" in err and said in err, err
+        assert err.count("\n") == 1 and ("-file: " in err), err
