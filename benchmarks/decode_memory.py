@@ -150,8 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.convs and not os.path.isdir(os.path.dirname(os.path.abspath(args.convs))):
         cli.fail("--convs", f"{os.path.dirname(args.convs)} is not a folder: make it first, or "
                  "write the file elsewhere", ap.prog)  # fmt: skip
-    c = modelzoo.load_configs(args.shrink)
     cuda = torch.cuda.is_available() and not args.shrink
+    if args.convs and not cuda:  # measured only: the trace alone would write nothing
+        fix = "drop --shrink" if args.shrink else "run it on a CUDA GPU"
+        cli.fail("--convs", f"the convolutions' scratch is measured on a CUDA GPU at the real "
+                 f"sizes: {fix}, or drop --convs", ap.prog)  # fmt: skip
+    c = modelzoo.load_configs(args.shrink)
     resolutions = (512, 1024) if not args.shrink else (64, 128)
     if cuda:
         print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, "

@@ -22,9 +22,11 @@ SD3.5-Medium; `--model` NAME of CONFIG_MODELS, another family at its real size w
 tokenizers) or from a pipeline folder's configurations, and the training flags default to
 docs/sd35.md's one-GPU command; any recast.py flag may be given, and recast.py's own
 checks reject what it would reject (exit 2, naming the flag). `--world-size N` plans one GPU of a
-`torchrun --nproc_per_node=N` run (--prompts and --batch-size count all ranks, as in recast.py);
+`torchrun --nproc_per_node=N` run (as recast.py reads them, --prompts counts all ranks, and
+--batch-size all ranks' pairs in the update but each rank's images in the rollout and eval);
 with `--shard` too, one rank of `recast.py --shard` (FSDP2, emulated on the meta models: Shards);
-above 8, nodes of 8 GPUs (GPUS_PER_NODE), each sharding the models among its own (HSDP).
+above 8, nodes of 8 GPUs (GPUS_PER_NODE; --world-size a multiple of 8), each sharding the models
+among its own (HSDP).
 
 Each phase of one epoch runs recast.py's own phase functions on those meta models (PlannedRun, a
 harness.Run with the planner's hooks), under a tracer that counts every tensor's bytes as a CUDA
@@ -108,6 +110,7 @@ CONFIG_MODELS = {"sd35m": ("SD3.5-Medium", "StableDiffusion3Pipeline"),
                  "flux2-klein-4b": ("FLUX.2-klein 4B", "Flux2KleinPipeline"),
                  "qwen-image": ("Qwen-Image", "QwenImagePipeline")}  # fmt: skip
 EVAL_PROMPTS = 32  # held-out prompts when no --eval-prompts-file is given
+STAND_IN_PROMPTS = ROOT / "prompts" / "ocr_train.txt"  # for recast.py's checks (parse)
 # What the trace does not count (docs/sd35.md says where each figure comes from)
 CONTEXT_GIB = 1.0  # CUDA context and kernels: 0.5-1 GiB on recent drivers; the upper end
 WORKSPACE_GIB = 0.5  # cuBLAS (tens of MiB per stream); cuDNN's convolution workspaces are traced
@@ -145,8 +148,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         "this: 2, 4, 8 or 16 (modelzoo.SHRINKS); default 0, the real sizes",
     )
     ap.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS,
-                    help="held-out prompts, when no --eval-prompts-file is given "
-                    f"(default {EVAL_PROMPTS})")  # fmt: skip
+                    help="held-out prompts, when neither --eval-prompts-file nor --prompts-file "
+                    "is given (a --prompts-file alone: its last 10 %%, as recast.py holds out; "
+                    f"default {EVAL_PROMPTS})")  # fmt: skip
     ap.add_argument(
         "--no-suggest",
         action="store_true",
@@ -177,13 +181,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
         fail("--world-size", f"must be ≥ 1, got {own.world_size}")
     if own.shrink and own.shrink not in modelzoo.SHRINKS:
         fail("--shrink", f"must be one of {', '.join(map(str, modelzoo.SHRINKS))}")
-    if own.check_cpu and not own.shrink and "--model" not in rest:
+    if own.check_cpu and not own.shrink and model_flag(rest) == "sd35m":
         fail("--check-cpu", "runs the same calls for real on this CPU: give --shrink 4 (or 8, 16) "
              "or a small --model folder")  # fmt: skip
     folder = os.path.dirname(os.path.abspath(own.json)) if own.json else ""
     if own.json and (os.path.isdir(own.json) or not os.access(folder, os.W_OK)):
         fail("--json", f"{own.json} cannot be written: give a file in a writable folder")
-    model = rest[rest.index("--model") + 1] if "--model" in rest[:-1] else "sd35m"
+    # --model as recast.py's parser reads it (--model=NAME, an abbreviation, the last given)
+    model = model_flag(rest)
     if model in CONFIG_MODELS:
         rest = [*rest, "--model", model]
     elif not os.path.isfile(os.path.join(model, "model_index.json")):
@@ -204,20 +209,39 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
     if args.shard and own.world_size < 2:
         fail("--shard", "plans one rank of a sharded torchrun run: give --world-size N (N ≥ 2), "
              "or drop --shard")  # fmt: skip
+    if args.shard and own.check_cpu and own.world_size > GPUS_PER_NODE:
+        # its gloo processes, without torchrun's nodes, shard on one flat mesh of every rank
+        fail("--check-cpu", f"with --shard runs --world-size gloo processes as one node: give "
+             f"--world-size {GPUS_PER_NODE} or fewer, got {own.world_size}")  # fmt: skip
+    if args.shard and own.world_size > GPUS_PER_NODE and own.world_size % GPUS_PER_NODE:
+        # torchrun starts as many ranks on each node: nodes of 8 make a multiple of 8
+        fail("--world-size", f"above {GPUS_PER_NODE} GPUs --shard is planned on nodes of "
+             f"{GPUS_PER_NODE}, each sharding the models among its own: give a multiple of "
+             f"{GPUS_PER_NODE}, got {own.world_size}")  # fmt: skip
     harness.check_rewards(args, names, judges)
-    try:
-        args.prompts_file = args.prompts_file or os.devnull  # checked below, once written
-        diffusersworld.check(args)
+    given = args.prompts_file  # none: the plan writes its own (prompt_files); until then a
+    args.prompts_file = given or str(STAND_IN_PROMPTS)  # shipped file stands in, so that the
+    try:  # checks after it run (os.devnull, not a file, stopped them: a missing
+        diffusersworld.check(args)  # --eval-prompts-file ended in a traceback)
     except diffusersworld.BadInput as e:
-        if e.flag != "--prompts-file" or args.prompts_file != os.devnull:
-            fail(e.flag, str(e))
+        fail(e.flag, str(e))
+    if given or args.eval_prompts_file:  # what a reward reads from each prompt (ocr's quoted
+        harness.check_prompts(args, names, judges)  # text), in the files given
+    args.prompts_file = given
     try:  # the family's flags (FLUX.1-dev's --guidance, the resolution's step), as at load
         family, configs = family_configs(model)
         family.check(configs, args)
     except diffusersworld.BadInput as e:
         fail(e.flag, str(e))
-    if args.prompts_file == os.devnull:
-        args.prompts_file = ""
+    # harness.check_held_out's rule, on the held-out prompts the plan evaluates
+    given = bool(args.eval_prompts_file or args.prompts_file)  # else the planner's --eval-prompts
+    held = held_out(args, own.eval_prompts)
+    unequal = args.shard and held * args.eval_seeds % own.world_size
+    if held < own.world_size or unequal:
+        fail("--eval-prompts-file" if given else "--eval-prompts", f"{held} held-out prompts × "
+             f"--eval-seeds {args.eval_seeds} on {own.world_size} processes: recast.py needs one "
+             "prompt a process at least, and under --shard a multiple of the processes (equal "
+             "shares)")  # fmt: skip
     own.specs = reward_specs(own.reward_config)
     for flag, group in (("--rewards", names), ("--judges", judges)):
         # a reward registered in rewards.LOADERS by a user: its model is not known here
@@ -231,6 +255,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
                  f"{example.relative_to(ROOT)})")  # fmt: skip
     own.names, own.judges = names, judges
     return own, args
+
+
+def model_flag(rest: list[str]) -> str:
+    """The --model of recast.py's flags `rest`, read as argparse reads it (the last one given,
+    --model=NAME, an unambiguous abbreviation); "sd35m" where none is given."""
+    ap = cli.Parser(prog="memory_plan.py", add_help=False)
+    ap.add_argument("--model", default="sd35m")
+    return ap.parse_known_args(rest)[0].model
 
 
 def reward_specs(given: list[str]) -> dict:
@@ -701,7 +733,8 @@ def epoch(run, marks: Marks, bar) -> None:
     args, world, ws, G = loop.args, loop.world, loop.world_size, loop.args.group_size
     T, device = len(loop.sigmas) - 1, world.device
     E = len(world.eval_prompts) * args.eval_seeds
-    E_local = math.ceil(E / ws)  # rank 0's share of the held-out images
+    E_local = math.ceil(E / ws)  # the largest share of the held-out images (Run.share: rank 0
+    # holds ⌊E / ws⌋, the last ranks ⌈E / ws⌉), planned on rank 0 as the most a rank holds
     with marks.making("data"):  # EvalSet keeps the base model's eval images on rank 0
         base_images = torch.zeros(E_local, 3, args.resolution, args.resolution, device=device)
 
@@ -816,15 +849,24 @@ def make_run(own, args, device: str, c: dict, tmp: Path, cpu_form: bool) -> dict
 # ---------------------------------------------------------------------------------------------
 def prompt_files(args, tmp: Path, n_eval: int) -> None:
     """Generated prompts (long enough to fill CLIP's 77 tokens) where no file was given: n_eval
-    held-out ones."""
+    held-out ones where neither file was (a --prompts-file alone: recast.py holds out its last
+    10 %, diffusersworld.split_prompts, and so does the plan's world)."""
     if not args.prompts_file:
+        if not args.eval_prompts_file:
+            path = tmp / "eval.txt"
+            path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
+            args.eval_prompts_file = str(path)
         path = tmp / "prompts.txt"
         path.write_text("\n".join(modelzoo.prompts(max(64, args.prompts))) + "\n")
         args.prompts_file = str(path)
-    if not args.eval_prompts_file:
-        path = tmp / "eval.txt"
-        path.write_text("\n".join(modelzoo.prompts(n_eval, 1000)) + "\n")
-        args.eval_prompts_file = str(path)
+
+
+def held_out(args, n_eval: int) -> int:
+    """The held-out prompts of the run: --eval-prompts-file's, else the last 10 % of
+    --prompts-file (diffusersworld.split_prompts), else n_eval (the planner's --eval-prompts)."""
+    if not args.prompts_file and not args.eval_prompts_file:
+        return n_eval
+    return len(diffusersworld.split_prompts(args.prompts_file, args.eval_prompts_file)[1])
 
 
 # a node's ranks (at most --world-size): the host memory of loading is a node's, and above it
@@ -993,14 +1035,17 @@ def verdict(peaks: dict, gpu_gib: float) -> dict:
             "margin_gib": gpu_gib - need, "fits": need <= gpu_gib}  # fmt: skip
 
 
-def alternatives(args, world_size: int = 1) -> list[dict]:
-    """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun)
-    --shard with it, then --batch-size halved (down to 1 pair per GPU) with --grad-accum doubled,
-    so an optimizer step keeps its pairs."""
+def alternatives(args, world_size: int = 1, eval_images: int = 0) -> list[dict]:
+    """Flags that lower the peak, in the order tried: --grad-checkpointing, then (under torchrun,
+    on whole nodes of GPUS_PER_NODE above it, and where the `eval_images` held-out images split
+    equally, as --shard needs: harness.check_held_out) --shard with it, then --batch-size halved
+    (down to 1 pair per GPU) with --grad-accum doubled, so an optimizer step keeps its pairs."""
     out, batch, accum = [], args.batch_size, args.grad_accum
     if not args.grad_checkpointing:
         out.append({"grad_checkpointing": True})
-    shard = {"shard": True} if world_size > 1 or args.shard else {}
+    nodes = world_size <= GPUS_PER_NODE or world_size % GPUS_PER_NODE == 0  # as parse takes it
+    equal = eval_images % world_size == 0
+    shard = {"shard": True} if (world_size > 1 and nodes and equal) or args.shard else {}
     if shard and not args.shard:
         out.append({"grad_checkpointing": True, **shard})
     while batch % 2 == 0 and len(out) < 4 + bool(shard):
@@ -1018,7 +1063,8 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
     """Plans of alternatives(args), until one fits (those with a batch a world size cannot split
     are skipped)."""
     tried = []
-    for change in alternatives(args, own.world_size):
+    held = held_out(args, own.eval_prompts) * args.eval_seeds
+    for change in alternatives(args, own.world_size, held):
         if change.get("batch_size", own.world_size) % own.world_size:
             continue
         changed = recast.Args(**{**vars(args), **change})
@@ -1028,6 +1074,15 @@ def suggest(own, args, c: dict, tmp: Path) -> list[dict]:
         if tried[-1]["verdict"]["fits"]:
             break
     return tried
+
+
+def shown_if_changed(settings: dict, *names: str) -> str:
+    """` --flag value` of each of `names` whose value is not recast.py's default (it changes the
+    plan: --weighting uniform scores no step prediction, --train-frac trains fewer pairs)."""
+    default = recast.Args()
+    return "".join(f" {cli.flag_of(n)} {settings[n]:g}" if isinstance(settings[n], float)
+                   else f" {cli.flag_of(n)} {settings[n]}" for n in names
+                   if settings.get(n, getattr(default, n)) != getattr(default, n))  # fmt: skip
 
 
 def lines(report: dict) -> list[str]:
@@ -1042,7 +1097,8 @@ def lines(report: dict) -> list[str]:
            f"{' --shard' if a.get('shard') else ''} --rewards "
            f"{','.join(report['rewards'])}{judges}{guidance} --kl-coef {a['kl_coef']:g} "
            f"--gain-frac {a['gain_frac']:.4g} --score-precision {a['score_precision']}"
-           f"{' --score-size ' + str(a['score_size']) if a.get('score_size') else ''}")  # fmt: skip
+           f"{' --score-size ' + str(a['score_size']) if a.get('score_size') else ''}"
+           f"{shown_if_changed(a, 'weighting', 'train_frac')}")  # fmt: skip
     L = [f"planned (traced on CPU) GPU memory of one rank of {report['world_size']}: {run}",
          f"AdamW foreach; {report['eval_images']} held-out images on this rank; "
          f"planned in {report['seconds'] / 60:.1f} min on this CPU", "",
@@ -1099,8 +1155,8 @@ def main(argv: list[str] | None = None) -> None:
                   "world_size": own.world_size,
                   "shrunk": f" --shrink {own.shrink}" if own.shrink else "", "peaks": peaks,
                   "verdict": verdict(peaks, own.gpu_memory),
-                  "eval_images": math.ceil(len(diffusersworld.read_prompts(args.eval_prompts_file))
-                                           * args.eval_seeds / own.world_size)}  # fmt: skip
+                  "eval_images": math.ceil(held_out(args, own.eval_prompts) * args.eval_seeds
+                                           / own.world_size)}  # fmt: skip
         if not report["verdict"]["fits"] and not own.no_suggest:
             report["alternatives"] = suggest(own, args, c, Path(tmp))
         if own.check_cpu:

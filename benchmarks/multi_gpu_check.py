@@ -6,7 +6,8 @@ GPUs of one machine (nccl), in one command with one report. Run it on a machine 
     python benchmarks/multi_gpu_check.py --gpus 1 --plan                      # the steps, no run
 
 It builds the tiny SD3 pipeline and tiny reward models itself (random weights, nothing
-downloaded; diffusers and transformers must be installed) and launches recast.py with torchrun.
+downloaded; diffusers and transformers must be installed) and launches recast.py with torchrun
+(--prompts and --batch-size rounded up to multiples of N, which recast.py needs: per_ranks).
 Steps, each passed, FAILED, or skipped with the reason (N: --gpus):
 1. toy (N ≥ 2): the toy world for 2 epochs on N ranks (DDP) and in one process, the same global
    batch: W, every reward and eval score and the loss agree (the toy world has nothing to shard:
@@ -88,6 +89,18 @@ TOY = ["--lambda", "0.4,0.2,0.2,0.2", "--epochs", "2", "--prompts", "4", "--grou
 SD3 = ["--rewards", "pickscore,aesthetic", "--lambda", "0.5,0.5", "--group-size", "4", "--steps",
        "3", "--batch-size", "4", "--eval-seeds", "2", "--resolution", "32", "--lora-rank", "4",
        "--lora-alpha", "8", "--lr", "1e-2", "--eval-every", "1"]  # fmt: skip
+
+
+def per_ranks(flags: list[str], n: int) -> list[str]:
+    """`flags` with --prompts and --batch-size rounded up to multiples of n: recast.py splits both
+    among the ranks and refuses a remainder (TOY's 4 prompts and SD3's --batch-size 4 on 3 or 8
+    GPUs). On 1, 2 and 4 they are as written."""
+    out = list(flags)
+    for flag in ("--prompts", "--batch-size"):
+        if flag in out:
+            i = out.index(flag) + 1
+            out[i] = str(n * math.ceil(int(out[i]) / n))
+    return out
 
 
 @dataclass(frozen=True)
@@ -432,9 +445,10 @@ def toy_step(check: Check, step: Step, n: int) -> bool:
     device = ["--device", check.device]
     env = check.environment(NVIDIA_TF32_OVERRIDE="0")  # fp32 on CUDA, as on the CPU
     many, one = check.out / "runs" / f"toy_{n}ranks", check.out / "runs" / "toy_1process"
-    ok = check.run(step, "toy_ranks", check.torchrun(n, RECAST, *TOY, *device, "--out",
+    toy = per_ranks(TOY, n)  # the same global batch in both runs
+    ok = check.run(step, "toy_ranks", check.torchrun(n, RECAST, *toy, *device, "--out",
                                                      str(many)), env)  # fmt: skip
-    ok &= check.run(step, "toy_1process", [check.py, RECAST, *TOY, *device, "--out", str(one)],
+    ok &= check.run(step, "toy_1process", [check.py, RECAST, *toy, *device, "--out", str(one)],
                     env)  # fmt: skip
     tol = TOLERANCES["toy", check.device]
     same, rows = compare(many, one, tol, [0, 1, 2])
@@ -461,13 +475,16 @@ def hsdp_step(check: Check, step: Step, flags: list[str], env: dict) -> bool:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs, logs, tic = [], [], time.monotonic()
+    # the first 4 GPUs this process sees: CUDA_VISIBLE_DEVICES' own where it names them
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpus = visible or [str(i) for i in range(4)]
     for node in (0, 1):
         command = [check.py, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                    f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                    RECAST, *common, "--out", str(hsdp)]  # fmt: skip
         node_env = dict(env)
         if check.device == "cuda":
-            node_env["CUDA_VISIBLE_DEVICES"] = f"{2 * node},{2 * node + 1}"
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[2 * node : 2 * node + 2])
         logs.append((check.logs / f"sd3_hsdp_node{node}.log").open("w"))
         procs.append((command, subprocess.Popen(command, cwd=ROOT, env=node_env, stdout=logs[-1],
                                                 stderr=subprocess.STDOUT,
@@ -525,7 +542,7 @@ def run_steps(check: Check, n: int) -> list[Step]:
     tic = time.monotonic()
     flags, models_env = build_models(check.out / "models", n)
     hsdp_flags = [*flags, "--prompts", "4"]  # a group a rank: --shard's forwards are collectives
-    flags += ["--prompts", str(max(2, n))]
+    flags = per_ranks([*flags, "--prompts", str(max(2, n))], n)
     env = check.environment(**models_env)
     print(f"{PROG}: tiny models built ({time.monotonic() - tic:.0f} s)", flush=True)
     timed(steps["shard"], lambda: shard_step(check, steps["shard"], flags, env, n))
@@ -588,7 +605,7 @@ def write_report(check: Check, steps: list[Step], n: int, argv: list[str]) -> bo
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])  # an error: one line
     ap.add_argument("--gpus", type=int, required=True,
                     help="GPUs to use (with --device cpu: gloo processes)")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -138,10 +138,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--shrink", type=int, default=0,
                     help=f"divide every width by this ({', '.join(map(str, SHRINKS))}) and run on "
                     "the CPU; leave out for the real sizes (needs a CUDA GPU)")  # fmt: skip
-    ap.add_argument("--prompts", type=int, default=0,
+    ap.add_argument("--prompts", type=int, default=None,
                     help="prompts per epoch (default: 8, a quarter of the docs' command; "
                     "--shrink: 2)")  # fmt: skip
-    ap.add_argument("--budget", type=float, default=0.0,
+    ap.add_argument("--budget", type=float, default=None,
                     help=f"seconds for the whole check (default {DEFAULT_BUDGET_S} on the GPU, 600 "
                     "with --shrink on the CPU): "
                     "the 1024 px run gets fewer prompts, or is skipped, to end within "
@@ -158,9 +158,9 @@ def parse(argv=None) -> argparse.Namespace:
     if args.shrink and args.shrink not in SHRINKS:
         fail("--shrink", f"must be one of {', '.join(map(str, SHRINKS))} (every width is divided "
              f"by it; leave it out for the real sizes), got {args.shrink}")  # fmt: skip
-    if args.prompts < 0:
+    if args.prompts is not None and args.prompts < 1:  # 0 ran the command's own, said nothing
         fail("--prompts", f"must be ≥ 1 (leave it out for the command's own), got {args.prompts}")
-    if args.budget < 0 or not math.isfinite(args.budget):
+    if args.budget is not None and not (0 < args.budget < math.inf):  # 0: the default, unsaid
         fail("--budget", f"must be > 0 seconds (leave it out for the default), got {args.budget}")
     if args.cost_model:
         return args

@@ -38,3 +38,32 @@ def test_each_step_says_how_it_ended_on_stderr_as_it_ends(tmp_path, capsys):
     rows = [("say", "passed"), ("late", "skipped: time budget spent")]
     assert [r[:2] for r in steps.rows] == rows
     assert (tmp_path / "say.log").read_text() == "said\n"
+
+
+def test_the_toy_runs_comparison_fails_beyond_each_tolerance(tmp_path):
+    """Step 5's verdict can fail: a reward, W or the loss beyond its epoch's tolerance, or an
+    epoch missing, each fails it; differences within them pass (plumbing/test_faults.py compares
+    two equal runs only, which any comparison passes)."""
+    import json
+
+    def runs(name: str, **cuda: float) -> tuple:
+        folders = []
+        for side in ("cpu", "cuda"):
+            moved = cuda if side == "cuda" else {}
+            lines = [{"epoch": e, "reward/color": 0.5 + moved.get("reward", 0.0),
+                      "eval/color": 0.5, "loss": 1.0 * (1 + moved.get("loss", 0.0)),
+                      "W": [[0.025 + moved.get("w", 0.0), 0.025], [0.025, 0.025]]}
+                     for e in range(3 - int(moved.get("drop", 0)))]  # fmt: skip
+            folder = tmp_path / name / side
+            folder.mkdir(parents=True)
+            (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+            folders.append(folder)
+        return tuple(folders)
+
+    # within epoch 0's tolerances (1 % + 1e-3 of 0.5, W 2e-3, the loss 1 %)
+    ok, table = gpu_check.compare_toy_runs(*runs("close", reward=0.005, w=1e-3, loss=0.005))
+    assert ok and "DIFFERS" not in table
+    for name, moved in (("reward", {"reward": 0.01}), ("w", {"w": 3e-3}),
+                        ("loss", {"loss": 0.02}), ("drop", {"drop": 1})):  # fmt: skip
+        ok, table = gpu_check.compare_toy_runs(*runs(name, **moved))
+        assert not ok, (name, table)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,7 @@ def test_a_sharded_plan_agrees_with_two_gloo_ranks(tiny):
 
 BUILD_TOKENIZERS = """
 import sys
+import warnings
 sys.path.insert(0, {root!r})
 from benchmarks import modelzoo
 bad = 0
@@ -232,6 +234,14 @@ def test_other_families_plan_through_their_part_and_agree_with_the_cpu_allocator
         (["--model", "flux2-klein-4b", "--shrink", "4"], "--shrink"),  # SD3.5-Medium's only
         (["--shard"], "--shard"),  # one rank of how many?
         (["--shard", "--world-size", "1"], "--shard"),
+        # harness.check_held_out's refusals, which recast.py makes before loading
+        (["--world-size", "8", "--eval-prompts", "4"], "--eval-prompts"),
+        ("--world-size 2 --shard --eval-prompts 3 --eval-seeds 1".split(), "--eval-prompts"),
+        # 16 gloo processes shard on one flat mesh, the plan on nodes of 8: not comparable
+        (
+            "--shard --world-size 16 --prompts 64 --batch-size 64 --shrink 8 --check-cpu".split(),
+            "--check-cpu",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_path, capsys):
@@ -243,6 +253,38 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_p
     assert not out.exists()
     if flag == "--model":  # the families it knows at their real size are listed
         assert all(name in err for name in mp.CONFIG_MODELS), err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model=flux1-schnell"],
+        ["--mod", "flux1-schnell"],  # an abbreviation recast.py's argparse takes
+        ["--model", "qwen-image", "--model", "flux1-schnell"],  # the last one, as argparse
+    ],
+)
+def test_model_is_read_as_recast_py_reads_it(flags):
+    """--model in each form argparse takes is the model planned (--model=NAME planned
+    SD3.5-Medium: the planner looked for the word --model and appended --model sd35m)."""
+    _, args = mp.parse(flags)
+    assert args.model == "flux1-schnell"
+
+
+def test_shard_above_one_node_needs_whole_nodes_of_8(capsys):
+    """--shard on 12 ranks: torchrun starts as many ranks on every node, so no layout of nodes
+    of 8 has 12; the planner sharded among 8 anyway. One line, exit 2, naming --world-size."""
+    with pytest.raises(SystemExit) as e:
+        mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48", "--shard"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: --world-size:" in err and err.count("\n") == 1
+    mp.parse(["--world-size", "16", "--prompts", "64", "--batch-size", "64", "--shard"])
+    own, args = mp.parse(["--world-size", "12", "--prompts", "48", "--batch-size", "48"])  # DDP
+    assert not any("shard" in alt for alt in mp.alternatives(args, 12))  # nor suggested
+    assert {"grad_checkpointing": True, "shard": True} in mp.alternatives(args, 16)
+    # 3 ranks: 64 held-out images do not split equally, as --shard needs; 63 do
+    _, args = mp.parse(["--world-size", "3", "--prompts", "48", "--batch-size", "48"])
+    assert not any("shard" in alt for alt in mp.alternatives(args, 3, 64))
+    assert {"grad_checkpointing": True, "shard": True} in mp.alternatives(args, 3, 63)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "sum"])
@@ -513,3 +555,119 @@ def test_a_reward_config_without_the_sizes_its_kind_needs_exits_2(
     err = capsys.readouterr().err
     assert e.value.code == 2 and "error: --reward-config:" in err and lacks in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_printed_command_names_the_flags_that_change_the_plan():
+    """--weighting uniform (no step scoring) and --train-frac (fewer pairs) change the plan, and
+    the command the plan prints left them out: a plan of `--train-frac 0.25 --weighting uniform`
+    read as one of the defaults."""
+    own, args = mp.parse(["--train-frac", "0.25", "--weighting", "uniform"])
+    kinds = dict.fromkeys(mp.memtrace.KINDS, mp.GIB)
+    peaks = {"update": {"peak": 6 * mp.GIB, **kinds}}
+    report = {"settings": vars(args), "rewards": own.names, "judges": own.judges,
+              "world_size": 1, "shrunk": "", "peaks": peaks, "eval_images": 64, "seconds": 60,
+              "verdict": mp.verdict(peaks, own.gpu_memory)}  # fmt: skip
+    head = mp.lines(report)[0]
+    assert head.endswith(" --weighting uniform --train-frac 0.25"), head
+    _, defaults = mp.parse([])
+    report["settings"] = vars(defaults)
+    head = mp.lines(report)[0]
+    assert "--weighting" not in head and "--train-frac" not in head, head
+
+
+@pytest.mark.parametrize(("shard", "ranks", "gpu", "rank0", "node"), [
+    (False, 2, 836, 784, 1568),  # every model whole on every GPU, the pipeline on every host
+    (True, 2, 992, 784, 864),  # half of each row a rank, the largest tensor broadcast whole
+    (True, 16, 728, 784, 1344),  # HSDP: shards of a node's 8 ranks, 2 rows of 16 a rank
+])  # fmt: skip
+def test_loading_counts_each_model_as_its_docstring_says(shard, ranks, gpu, rank0, node):
+    """load_phase on small models whose bytes are counted by hand: a sharded Linear(10, 16) (640
+    + 64 B), the VAE's Linear(4, 4) (80 B), a reward's Linear(3, 2) (32 B), a 20 B head tensor.
+    The tiny plans' test compares loading's figures with each other only (sharded below unsharded),
+    which e.g. dropping the broadcast tensor or sharding among all 16 ranks passes."""
+    import types
+
+    torch.manual_seed(0)
+    shardable, vae, reward = (torch.nn.Linear(i, o) for i, o in ((10, 16), (4, 4), (3, 2)))
+    world = types.SimpleNamespace(pipe=types.SimpleNamespace(vae=vae))
+    run = {"world": world, "shardable": [shardable], "args": types.SimpleNamespace(shard=shard),
+           "held": [shardable, vae, reward, torch.zeros(5)]}  # fmt: skip
+    load = mp.load_phase(run, types.SimpleNamespace(world_size=ranks))
+    assert (load["peak"], load["parameters"]) == (gpu, gpu)
+    assert (load["host_rank0"], load["host_node"]) == (rank0, node)
+    assert load["host_rank"] == (80 if shard else 784)  # the VAE; or the pipeline whole
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_shards_gather_each_layer_while_it_computes_and_the_next_ahead(prefetch):
+    """Shards, --shard's emulated FSDP2, on a root with 3 layers: the groups gathered while each
+    layer's forward and backward run. The GPU form (`prefetch`, which the gloo check never runs)
+    keeps the previous layer until the next has run; backward gathers the layer computed next
+    ahead; after each pass only the shards remain. Fails if the root's end leaves its last layer
+    gathered, or the prefetch is dropped, or backward does not gather ahead."""
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            x = self.proj(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with torch.device("meta"):
+        root = Root()
+    shards = mp.Shards([root], 2, mp.memtrace.StorageTracker("meta", 1), None, prefetch, False)
+    name = {id(root): "root", **{id(b): f"b{i}" for i, b in enumerate(root.blocks)}}
+    seen = []
+
+    def record(when):
+        return lambda *_: seen.append((when, sorted(name[k] for k in shards.live)))
+
+    for i, b in enumerate(root.blocks):  # after Shards' own hooks, which gather first
+        b.register_forward_pre_hook(record(f"forward b{i}"))
+        b.register_full_backward_pre_hook(record(f"backward b{i}"))
+    x = torch.empty(2, 4, device="meta", requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = root(x)
+        seen.append(("after forward", sorted(name[k] for k in shards.live)))
+        y.sum().backward()
+    seen.append(("after backward", sorted(name[k] for k in shards.live)))
+    held = ["b0"] if prefetch else []
+    assert seen == [("forward b0", ["b0", "root"]),
+                    ("forward b1", sorted([*held, "b1", "root"])),
+                    ("forward b2", sorted([*(["b1"] if prefetch else []), "b2", "root"])),
+                    ("after forward", []),
+                    ("backward b2", ["b1", "b2", "root"]),
+                    ("backward b1", ["b0", "b1", "root"]),
+                    ("backward b0", ["b0", "root"]),
+                    ("after backward", [])]  # fmt: skip
+
+
+def test_a_prompts_file_alone_holds_out_its_last_tenth_as_recast_py_does(tmp_path, capsys):
+    """recast.py with --prompts-file and no --eval-prompts-file evaluates the file's last 10 %
+    (diffusersworld.split_prompts); the plan evaluated 32 generated prompts instead (149 of
+    docs' 1,488 geneval prompts: 298 images kept, planned as 64). A missing --eval-prompts-file
+    ended in a FileNotFoundError traceback."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"a cat number {i}" for i in range(30)) + "\n")
+    own, args = mp.parse(["--prompts-file", str(prompts)])
+    assert mp.held_out(args, own.eval_prompts) == 3
+    mp.prompt_files(args, tmp_path, own.eval_prompts)
+    assert args.prompts_file == str(prompts) and args.eval_prompts_file == ""  # the world splits
+    assert mp.held_out(args, own.eval_prompts) == 3
+    for flags, said in (
+        (["--prompts-file", str(prompts), "--world-size", "4"], "3 held-out"),  # for 4 processes
+        (["--eval-prompts-file", str(tmp_path / "no.txt")], "is not a file"),
+        # ocr reads the quoted text of every prompt it scores, and these have none
+        (["--prompts-file", str(prompts), "--rewards", "paper2"], "quot"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            mp.parse(flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "error: --" in err and said in err, err
+        assert err.count("\n") == 1 and ("-file: " in err), err

@@ -147,13 +147,17 @@ def test_the_decode_probe_plans_at_least_what_it_traces():
 
 def test_the_decode_probe_rejects_a_shrink_the_zoo_does_not_know(tmp_path, capsys):
     """--shrink 3 (or -2) ended in a GroupNorm ValueError traceback after the table's header, and
-    --convs in a missing folder failed after every measurement: one line, exit 2, nothing run."""
+    --convs in a missing folder failed after every measurement, and --convs beside --shrink
+    wrote nothing (the trace alone): one line, exit 2, nothing run."""
     from benchmarks import decode_memory
 
     cases = {
         "--shrink 3": "--shrink: must be one of 2, 4, 8, 16, got 3",
         "--shrink -2": "--shrink: must be one of 2, 4, 8, 16, got -2",
         f"--convs {tmp_path}/no/c.json": f"--convs: {tmp_path}/no is not a folder",
+        # the CPU's trace alone: --convs was ignored, its file never written, nothing said
+        f"--shrink 16 --convs {tmp_path}/c.json": "--convs: the convolutions' scratch is "
+        "measured on a CUDA GPU at the real sizes: drop --shrink",
     }
     for argv, said in cases.items():
         refused(capsys, decode_memory.main, argv.split(), f"decode_memory.py: error: {said}")

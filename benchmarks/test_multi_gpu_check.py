@@ -51,6 +51,8 @@ def test_the_plan_runs_what_the_gpus_allow_and_says_why_not(gpus, skipped, tmp_p
         (["--gpus", "-2", "--device", "cpu"], "--gpus", "must be ≥ 1, got -2"),
         (["--gpus", "2", "--device", "cpu", "--budget", "0"], "--budget", "seconds > 0"),
         (["--gpus", "2", "--device", "cpu", "--budget", "nan"], "--budget", "seconds > 0"),
+        (["--gpus", "two", "--device", "cpu"], "--gpus", "invalid int value"),  # argparse's:
+        (["--gpus", "2", "--device", "gpu"], "--device", "invalid choice"),  # one line too
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, said, tmp_path,
@@ -60,7 +62,7 @@ def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, said,
         mgc.main([*flags, "--out", str(out)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"multi_gpu_check.py: error: {flag}: " in err and said in err
-    assert not out.exists()
+    assert err.count("\n") == 1 and not out.exists()
 
 
 def test_more_gpus_than_visible_or_none_exit_2(tmp_path, capsys, monkeypatch):
@@ -87,12 +89,14 @@ def test_more_gpus_than_visible_or_none_exit_2(tmp_path, capsys, monkeypatch):
     assert [p.name for p in out.iterdir()] == ["report.md"]
 
 
-def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0.05) -> Path:
-    """A run folder: metrics.jsonl of epochs 0-3, and epoch 3's checkpoint of two LoRA tensors."""
+def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0.05,
+             reward: float = 0.0) -> Path:  # fmt: skip
+    """A run folder: metrics.jsonl of epochs 0-3 (the rewards moved by `reward`), and epoch 3's
+    checkpoint of two LoRA tensors."""
     folder.mkdir(parents=True)
     lines = [{"epoch": 0, "eval/pickscore": 0.5}]
-    lines += [{"epoch": e, "reward/pickscore": 0.1 * e, "eval/pickscore": 0.5, "loss": loss,
-               "W": [[w, 0.25], [0.25, 0.25]]} for e in (1, 2, 3)]  # fmt: skip
+    lines += [{"epoch": e, "reward/pickscore": 0.1 * e + reward, "eval/pickscore": 0.5,
+               "loss": loss, "W": [[w, 0.25], [0.25, 0.25]]} for e in (1, 2, 3)]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     ckpt = folder / "ckpt" / "epoch_0003"
     ckpt.mkdir(parents=True)
@@ -103,7 +107,7 @@ def fake_run(folder: Path, w: float = 0.25, loss: float = 1.0, lora_b: float = 0
 
 
 def test_comparisons_pass_within_tolerance_and_fail_beyond(tmp_path):
-    """The verdict can fail: W, the loss, the adapters or a missing epoch beyond the CUDA
+    """The verdict can fail: W, the loss, a reward, the adapters or a missing epoch beyond the CUDA
     tolerances of the tiny SD3 each fail the comparison; within them it passes."""
     tol, epochs = mgc.TOLERANCES["sd3", "cuda"], [0, 1, 2, 3]
     ref = fake_run(tmp_path / "ref")
@@ -114,6 +118,7 @@ def test_comparisons_pass_within_tolerance_and_fail_beyond(tmp_path):
     assert rows[-1][0].startswith("LoRA B") and rows[-1][-1]
     for name, kwargs, failing in (("w", {"w": 0.26}, "W (largest entry difference)"),
                                   ("loss", {"loss": 1.05}, "loss"),
+                                  ("reward", {"reward": 0.05}, "reward/pickscore"),
                                   ("lora", {"lora_b": 0.06}, "LoRA B")):  # fmt: skip
         ok, rows = mgc.compare(fake_run(tmp_path / name, **kwargs), ref, tol, epochs)
         assert not ok and [r[0] for r in rows if not r[-1]][0].startswith(failing), rows
@@ -181,3 +186,67 @@ def test_one_rank_runs_the_single_gpu_steps(tmp_path):
     assert kill["killed"].startswith("rank 0 ") and kill["survivors"] == {}
     assert kill["launcher"]["exit"] != 0 and kill["checkpoint kept"].startswith("runs/sd3_killed")
     assert "- survivors: none (one rank)" in text
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_every_run_of_the_check_passes_recast_py_s_checks_on_its_ranks(gpus, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """Each recast.py command the steps launch, through recast.py's own flag checks on the ranks
+    it runs on (the commands recorded, none run). docs/gpu/README.md's `--gpus 8` launched the toy
+    world's 4 prompts and the tiny SD3's --batch-size 4 on 8 ranks, which recast.py refuses: the
+    toy, shard, kill and resume steps failed at once on 3, 5, 6, 7 or 8 GPUs."""
+    import harness
+    import recast
+    from plumbing import cli
+
+    launched = []  # (ranks, recast.py's flags)
+
+    def record(command, ranks):
+        if mgc.RECAST in command:
+            launched.append((ranks, command[command.index(mgc.RECAST) + 1 :]))
+
+    def run(self, step, name, command, env=None):
+        nproc = [w for w in command if w.startswith("--nproc-per-node=")]
+        record(command, int(nproc[0].split("=")[1]) if nproc else 1)
+        return True
+
+    monkeypatch.setattr(mgc.Check, "run", run)
+    monkeypatch.setattr(mgc, "build_models", lambda folder, n: (["--model", "tiny", *mgc.SD3], {}))
+    monkeypatch.setattr(mgc, "hsdp_step", lambda check, step, flags, env: record(
+        [mgc.RECAST, *flags, "--shard"], 4))  # fmt: skip
+    monkeypatch.setattr(mgc, "kill_mid_epoch", lambda check, step, flags, env, run, n: record(
+        [mgc.RECAST, *flags, "--epochs", "20"], n))  # fmt: skip
+    check = mgc.Check(mgc.argparse.Namespace(budget=600, device="cpu"), tmp_path)
+    mgc.run_steps(check, gpus)
+    assert launched and all("--resume" in f or "--prompts" in f for _, f in launched)
+    for ranks, flags in launched:
+        if "--resume" in flags:  # the killed run's flags, checked when it was launched
+            continue
+        args = cli.parse(recast.Args, flags, recast.__doc__, harness.BEFORE)
+        cli.check(args, ranks, harness.RESUMABLE, harness.BEFORE)  # exits 2 where recast.py would
+
+
+@pytest.mark.parametrize(("visible", "nodes"), [(None, ["0,1", "2,3"]),
+                                                ("4,5,6,7", ["4,5", "6,7"])])  # fmt: skip
+def test_hsdp_s_nodes_take_the_gpus_this_process_sees(visible, nodes, tmp_path, monkeypatch):
+    """On CUDA the two posed nodes each take 2 of the GPUs the check sees: under
+    CUDA_VISIBLE_DEVICES=4,5,6,7 they were given GPUs 0-1 and 2-3 all the same (others' GPUs, or
+    none). The launchers are recorded, not run."""
+    given = []
+
+    class Launched:
+        pid = 0
+
+        def __init__(self, command, env, **_):
+            given.append(env.get("CUDA_VISIBLE_DEVICES"))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(mgc.subprocess, "Popen", Launched)
+    monkeypatch.setattr(mgc.Check, "run", lambda self, step, name, command, env=None: True)
+    check = mgc.Check(mgc.argparse.Namespace(budget=600, device="cuda"), tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env.update({"CUDA_VISIBLE_DEVICES": visible} if visible else {})
+    mgc.hsdp_step(check, mgc.Step("hsdp", ""), ["--model", "tiny"], env)
+    assert given == nodes

@@ -132,6 +132,9 @@ def test_every_figure_is_reported(shrunk):
         (["--shrink", "32"], "--shrink"),
         (["--shrink", "16", "--prompts", "-1"], "--prompts"),
         (["--shrink", "16", "--budget", "-5"], "--budget"),
+        (["--shrink", "16", "--prompts", "0"], "--prompts"),  # ran the default, as if left out
+        (["--shrink", "16", "--budget", "0"], "--budget"),  # ran the default, as if left out
+        (["--shrink", "16", "--budget", "nan"], "--budget"),
         (["--shrink", "x"], "--shrink"),
     ],
 )
