@@ -1570,7 +1570,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
         time.sleep(0.05)
     time.sleep(random.Random(0).uniform(0.0, 2.0))  # somewhere inside epoch 2 or 3
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not after it had finished
     run_recast("--out", str(out), "--resume")
     assert _without_times(metrics_of(out)) == _without_times(metrics_of(tmp_path / "whole"))
 
