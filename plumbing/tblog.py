@@ -82,11 +82,14 @@ class TensorBoard:
 class WandB:
     """--log wandb (rank 0): the scalars TensorBoard gets, at the same epochs (wandb's step), and
     W.png and samples.png as images at each eval. One wandb run per run folder: its id is kept in
-    OUT/wandb.json, so a resumed run continues it (epochs that wandb already holds are not sent
-    again). wandb's own variables apply: WANDB_MODE=offline (no network; `wandb sync` uploads
-    later), WANDB_PROJECT (default "recast"), WANDB_ENTITY, WANDB_DIR (default: the run folder)."""
+    OUT/wandb.json, so a resumed run continues it from `first`, the first epoch it runs: the
+    epochs before it are not sent again (offline, wandb's own step does not know them). Epochs an
+    earlier launch logged past its last checkpoint, which run again, keep that launch's numbers
+    in wandb: it takes no step below one it holds (metrics.jsonl and TensorBoard hold the rerun's).
+    wandb's own variables apply: WANDB_MODE=offline (no network; `wandb sync` uploads later),
+    WANDB_PROJECT (default "recast"), WANDB_ENTITY, WANDB_DIR (default: the run folder)."""
 
-    def __init__(self, out: str, config: dict):
+    def __init__(self, out: str, config: dict, first: int = 1):
         import wandb
 
         path = os.path.join(out, WANDB_ID)
@@ -109,13 +112,14 @@ class WandB:
         except wandb.errors.Error as e:  # not logged in, no network: a line, not a traceback
             cli.fail("--log", f"wandb could not start its run ({e}): log in (wandb login) or set "
                      f"WANDB_MODE=offline, then continue: {resume_command(out)}")  # fmt: skip
+        self.first = first if kept else 0  # 0: a new wandb run, sent every epoch
         if kept != {"id": run_id, "project": project}:
             write_json_atomic(path, {"id": run_id, "project": project})
         self.image = wandb.Image
 
     def epoch(self, m: dict, out: str, pictures: bool = True) -> None:
         step = m["epoch"]
-        if step < self.run.step:  # resumed: the wandb run holds this epoch already
+        if step < max(self.first, self.run.step):  # resumed: wandb holds this epoch already
             return
         data = _scalars(m)
         if pictures and any(k.startswith("eval/") for k in m):
@@ -134,7 +138,7 @@ class Views:
     this launch runs (a resumed run's, after its checkpoint)."""
 
     def __init__(self, names: list[str], out: str, config: dict, first: int = 1):
-        self.views = [TensorBoard(out, first) if n == "tensorboard" else WandB(out, config)
+        self.views = [TensorBoard(out, first) if n == "tensorboard" else WandB(out, config, first)
                       for n in names]  # fmt: skip
 
     def epoch(self, m: dict, out: str, pictures: bool = True) -> None:

@@ -36,7 +36,9 @@ def wandb_records(path):
 
 def wandb_history(run_dirs) -> tuple[dict, dict]:
     """({(name, step): number} logged, {(image name, step): the image file}) of the wandb runs
-    in `run_dirs` (one per process that logged to it), wandb's own _runtime, _step, … left out."""
+    in `run_dirs` (one per process that logged to it), wandb's own _runtime, _step, … left out.
+    A number or image sent twice for one step (by two launches, or twice by one) fails here: kept
+    in a dict, the second would hide the first."""
     scalars, images = {}, {}
     for run_dir in run_dirs:
         (log,) = [f for f in os.listdir(run_dir) if f.endswith(".wandb")]
@@ -50,9 +52,11 @@ def wandb_history(run_dirs) -> tuple[dict, dict]:
                 items[tuple(key)] = json.loads(item.value_json)
             for key, value in items.items():
                 if len(key) == 1 and not key[0].startswith("_"):
+                    assert (key[0], step) not in scalars, f"{key[0]} sent twice at step {step}"
                     scalars[(key[0], step)] = value
                 elif len(key) == 2 and key[1] == "path":
                     assert items[(key[0], "_type")] == "image-file"
+                    assert (key[0], step) not in images, f"{key[0]} sent twice at step {step}"
                     images[(key[0], step)] = os.path.join(run_dir, "files", value)
     return scalars, images
 
