@@ -6,6 +6,12 @@ memory-only ones (--grad-checkpointing, --shard), not in the method's (--lambda'
 --steps, --weighting…), else it exits 2 naming them.
 
 python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
+
+With `--against` and the seeds of a second configuration (the same rewards, judges and seeds; any
+method), it prints the two paired by seed instead: per reward, judge and the λ-weighted gap, the
+mean ± std of (first − second) over the seeds and the seeds in which the first is higher:
+
+python studies/summarize.py runs/perreward-s{0..9} --against runs/default-s{0..9}
 """
 
 import json
@@ -144,7 +150,40 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
     return lines
 
 
+def paired(runs: list[str], others: list[str]) -> None:
+    """`runs` against `others` (each the seeds of one configuration) paired by --seed: per reward,
+    judge and λ-weighted gap closed, mean ± std of the difference and the seeds it is above 0 in.
+    Exit 2 where the two are not evaluated alike or their seeds differ."""
+    finals = []
+    for group in (runs, others):
+        lines = check_runs(group)
+        seeds = [read_args(run)["seed"] for run in group]
+        if len(set(seeds)) < len(seeds):
+            cli.fail("RUN", f"{', '.join(group)} hold a seed twice: pair one run per seed",
+                     "summarize.py")  # fmt: skip
+        by_seed = {s: [m for m in ls if "gap/weighted" in m][-1]
+                   for s, ls in zip(seeds, lines, strict=True)}  # fmt: skip
+        finals.append((by_seed, [k[5:] for k in lines[0][0] if k.startswith("eval/")]))
+    (mine, names), (theirs, their_names) = finals
+    if names != their_names or sorted(mine) != sorted(theirs):
+        cli.fail("--against", f"{runs[0]}'s runs are evaluated on {', '.join(names)} at seeds "
+                 f"{sorted(mine)}, {others[0]}'s on {', '.join(their_names)} at seeds "
+                 f"{sorted(theirs)}: pair the same rewards, judges and seeds",
+                 "summarize.py")  # fmt: skip
+    seeds = sorted(mine)
+    print(f"{runs[0]}'s configuration − {others[0]}'s, paired by seed ({len(seeds)} seeds): "
+          "the gap to the ideal closed at each one's last eval\n")  # fmt: skip
+    print("| | first − second, mean ± std | first higher in |\n|---|---|---|")
+    for n in [*names, "weighted"]:
+        d = [mine[s][f"gap/{n}"] - theirs[s][f"gap/{n}"] for s in seeds]
+        label = "**λ-weighted**" if n == "weighted" else n
+        print(f"| {label} | {fmt(d)} | {sum(x > 0 for x in d)} of {len(seeds)} |")
+
+
 def main(runs: list[str]) -> None:
+    if "--against" in runs:
+        at = runs.index("--against")
+        return paired(runs[:at], runs[at + 1 :])
     lines = check_runs(runs)
     base, finals = lines[0][0], [[m for m in ls if "gap/weighted" in m][-1] for ls in lines]
     names = [k[5:] for k in base if k.startswith("eval/")]

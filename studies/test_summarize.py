@@ -220,3 +220,31 @@ def test_spearman_shares_tied_ranks_and_anatomy_settles_at_the_first_step_that_s
     assert anatomy.settled_step(steps) == 4
     steps[3], steps[1] = final, final  # all agree: settled from step 1; step 0 (zeros) unread
     assert anatomy.settled_step(steps) == 1
+
+
+def test_against_pairs_two_configurations_by_seed(tmp_path, capsys):
+    """--against: per reward, judge and the λ-weighted gap, first − second paired by seed (given
+    in any order), its mean ± std and the seeds where the first is higher; runs of other seeds or
+    judges exit 2 naming --against."""
+    first = [
+        fake_run(tmp_path / "a1", 1, {"position": 0.5, "background": 0.1, "iou": 0.2}),
+        fake_run(tmp_path / "a0", 0, {"position": 0.4, "background": 0.3, "iou": 0.2}),
+    ]
+    second = [
+        fake_run(tmp_path / "b0", 0, {"position": 0.3, "background": 0.1, "iou": 0.3}),
+        fake_run(tmp_path / "b1", 1, {"position": 0.1, "background": 0.2, "iou": 0.2}),
+    ]
+    summarize.main([*first, "--against", *second])
+    out = capsys.readouterr().out
+    assert "(2 seeds)" in out
+    assert "| position | +0.250 ± 0.212 | 2 of 2 |" in out  # seed 0: +0.1, seed 1: +0.4
+    assert "| background | +0.050 ± 0.212 | 1 of 2 |" in out  # +0.2, -0.1
+    assert "| iou | -0.050 ± 0.071 | 0 of 2 |" in out  # -0.1, 0
+    assert "| **λ-weighted** | +0.150 ± 0.000 | 2 of 2 |" in out  # +0.15, +0.15
+    other_seed = fake_run(tmp_path / "b7", 7, {"position": 0.1, "background": 0.2, "iou": 0.2})
+    for runs in ([*first, "--against", second[0], other_seed], [*first, "--against", second[0]]):
+        with pytest.raises(SystemExit) as e:
+            summarize.main(runs)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("summarize.py: error: --against: ")
+        assert "pair the same rewards, judges and seeds" in err
