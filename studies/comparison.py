@@ -711,7 +711,11 @@ def report(args) -> None:
             cells += [f"{statistics.median(e for e, _ in reach):.0f}",
                       f"{statistics.median(t for _, t in reach):.0f}"]  # fmt: skip
             rows.append(f"| {' | '.join(cells)} |")
-    lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", ""]
+    out = os.path.relpath(args.out, ROOT)
+    out = args.out if out.startswith("..") else out  # the folder as it was given, if outside
+    lines = [f"# The comparison, study {args.study} (docs/results.md has the protocol)", "",
+             f"Written by `python studies/comparison.py report --study {args.study} --out {out}`,"
+             " from the runs' folders or their archived records.", ""]  # fmt: skip
     need = decided_on(args, args.study)
     partial = min(len(ss) for ss in seeds.values()) < need
     if partial:  # the protocol decides on every seed: a part of them decides nothing
