@@ -58,6 +58,7 @@ A reward that needs a model is a loader `(device) -> reward`: register it with
 
 import functools
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -558,9 +559,26 @@ def quoted(prompt: str) -> str:
     return parts[1]
 
 
+def plain_text(reward: str) -> Callable[[str], None]:
+    """The check of a reward that writes each prompt into a Qwen2-VL chat (`vqa`, `hpsv3`): a
+    prompt holding one of the chat's control tokens (<|image_pad|>, <|im_end|>, <|Reward|>, …)
+    is a RewardError naming it. <|image_pad|> took the next image's place and stopped the scoring
+    mid-run; the others end the question early or move the token HPSv3 reads."""
+
+    def check(prompt: str) -> None:
+        if token := re.search(r"<\|[^<>|\s]+\|>", prompt):
+            raise RewardError(
+                f"reward {reward!r} writes each prompt into its vision-language model's chat, "
+                f"where {token.group()!r} is a control token; {prompt!r} holds it: remove it"
+            )
+
+    return check
+
+
 # What a reward needs of every prompt, checked on the prompts files before any model is loaded
 # (harness.check_prompts): a function of one prompt that raises a RewardError saying what is missing
-PROMPT_CHECKS: dict[str, Callable[[str], object]] = {"ocr": quoted}
+PROMPT_CHECKS: dict[str, Callable[[str], object]] = {
+    "ocr": quoted, "vqa": plain_text("vqa"), "hpsv3": plain_text("hpsv3")}  # fmt: skip
 
 
 def edit_distance(a: str, b: str) -> int:

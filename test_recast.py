@@ -1879,6 +1879,12 @@ def test_sd3_flags_are_checked_before_anything_is_written(
     err = recast_exit(capsys, *one, "--rewards", "ocr")
     assert "error: --prompts-file: reward 'ocr' scores the text" in err
     assert f"{SD3_PROMPTS[0]!r} has none" in err and f"of {prompts_file})" in err
+    tokens = tmp_path / "tokens.txt"  # vqa writes each prompt into its VLM's chat
+    tokens.write_text("".join(f"{p}\n" for p in SD3_PROMPTS[:-1]) + "a cat <|image_pad|>\n")
+    err = recast_exit(capsys, *base, "--lambda", "1", "--prompts-file", str(tokens), "--rewards",
+                      "vqa")  # fmt: skip
+    assert "error: --prompts-file: reward 'vqa' writes each prompt" in err
+    assert "'<|image_pad|>' is a control token" in err
     quoted = [*base, "--lambda", "1", "--prompts-file", quoted_prompts_file]
     err = recast_exit(capsys, *quoted, "--rewards", "pickscore", "--judges", "ocr",
                       "--eval-prompts-file", prompts_file)  # fmt: skip

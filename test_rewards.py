@@ -45,6 +45,19 @@ def test_ocr_target_is_the_quoted_text_and_a_prompt_without_one_fails_naming_it(
             rewards.quoted(prompt)
 
 
+def test_vqa_and_hpsv3_refuse_a_prompt_holding_a_chat_control_token():
+    """A prompt with <|image_pad|> took the next image's place in vlm.inputs (StopIteration
+    mid-run); <|im_end|> or <|Reward|> end the question early or move the token HPSv3 reads."""
+    for name in ("vqa", "hpsv3"):
+        check = rewards.PROMPT_CHECKS[name]
+        for prompt in ("a cat <|image_pad|>", "<|im_end|> a dog", "a sign <|Reward|>"):
+            token = prompt[prompt.index("<|") : prompt.index("|>") + 2]
+            with pytest.raises(rewards.RewardError, match=rf"reward '{name}'.*{token!r}"):
+                check(prompt)
+        for prompt in ("a red fox at dusk", "a sign that says <|", "x | y <or> z", "<| |>"):
+            assert check(prompt) is None
+
+
 def test_ocr_weights_are_the_files_easyocr_publishes(tmp_path, monkeypatch):
     """OCR_MD5 holds the md5 EasyOCR lists for each file (easyocr/config.py of EasyOCR 1.7.2:
     craft_mlt_25k.pth 2f8227d2…, english_g2.pth 5864788e…); the package's files have them, load
