@@ -26,7 +26,8 @@ epochs for the curves):
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
 interrupted one resumes. --stop-after MINUTES starts no new run after that many minutes (the running
-ones finish). `report` uses every (budget, seed) whose runs of the study's arms are all finished and
+ones finish). A run that fails starts no other: the finished runs are archived and `run` exits 1
+naming its log. `report` uses every (budget, seed) whose runs of the study's arms are all finished and
 writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired difference
 from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and seconds
 to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same rule
@@ -54,6 +55,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -362,10 +364,12 @@ def flags_for(code: str, arm: str) -> list[str]:
     return [*flags, "--normalize", "per-reward"] if knows else flags
 
 
-def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar) -> None:
+def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float, bar,
+            failed: threading.Event | None = None) -> None:  # fmt: skip
     """One run of code/recast.py, resumed if a previous sitting left it unfinished; skipped when
-    the sitting's time is up. `bar` counts the finished runs."""
-    if time.monotonic() > deadline:
+    the sitting's time is up, or once a run of the sitting has failed (`failed`, which a failing
+    run sets). `bar` counts the finished runs."""
+    if time.monotonic() > deadline or (failed is not None and failed.is_set()):
         return
     cmd = [sys.executable, os.path.join(code, "recast.py"), "--lambda", lam, *flags_for(code, arm)]
     cmd += ["--seed", str(seed), "--eval-every", str(EVAL_EVERY), "--out", path]
@@ -374,6 +378,8 @@ def run_one(code: str, path: str, lam: str, arm: str, seed: int, deadline: float
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=code,
                             env=dict(os.environ, **DISPATCH)).returncode  # fmt: skip
     if rc:
+        if failed is not None:
+            failed.set()
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {path}.log")
     bar.set_postfix_str(f"last: {os.path.basename(path)}", refresh=False)
     bar.update(1)
@@ -397,12 +403,22 @@ def run(args) -> None:
           f"{args.code}", flush=True)  # fmt: skip
     deadline = time.monotonic() + 60 * args.stop_after
     bar = tqdm(total=total, initial=total - left, unit="run", smoothing=0)
+    failed, errors = threading.Event(), []  # a failed run: no new one starts, hours of a queue
     with ThreadPoolExecutor(2) as pool, bar:  # the bar's rate and ETA: this sitting's runs
-        jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar)
-                for key in keys]  # fmt: skip
+        jobs = [pool.submit(run_one, args.code, folder(args.out, *key), *key, deadline, bar,
+                            failed) for key in keys]  # fmt: skip
         for job in jobs:
-            job.result()
-    archive(args)
+            try:
+                job.result()
+            except RuntimeError as e:
+                errors.append(str(e))
+    archive(args)  # the runs that finished, the failed one's neighbour included
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        print(f"comparison.py: {errors[0]}{more}; no run started after it, and the finished "
+              "ones are archived: fix it, then run again (finished runs are skipped)",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(1)
     report(args)
 
 

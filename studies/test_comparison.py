@@ -137,6 +137,26 @@ def test_run_skips_finished_and_archived_runs_and_stops_at_the_deadline(sweep, m
     assert len(started) == 2 and started[1][started[1].index("--out") + 1] == unfinished
 
 
+def test_a_failed_run_starts_no_other_and_the_finished_are_archived(sweep, monkeypatch, capsys):
+    """A run that fails (exit 1) stops the queue: no run starts after it (the queue ran on for
+    hours, then ended in a traceback without archiving), those finished are archived, exit 1
+    naming its log."""
+    import types
+
+    started = []
+    fake = lambda cmd, **kw: started.append(cmd) or types.SimpleNamespace(returncode=1)  # noqa: E731
+    monkeypatch.setattr(cmp.subprocess, "run", fake)
+    for arm in ("sum", "uniform", "recast-tau1"):
+        os.remove(os.path.join(cmp.folder(sweep.out, cmp.BUDGETS[0], arm, 1), "summary.json"))
+    sweep.stop_after = 60.0
+    with pytest.raises(SystemExit) as e:
+        cmp.run(sweep)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "failed (exit 1); see " in err and "are archived" in err
+    assert 1 <= len(started) <= 2  # the two workers' first runs at most; the third never starts
+    assert len(cmp.read_archive(sweep.archive)) == 77
+
+
 def test_shift_study_prints_judge_lines_and_applies_the_decision_rule(sweep):
     sweep.study = "shift"
     cmp.report(sweep)
