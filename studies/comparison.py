@@ -27,11 +27,11 @@ epochs for the curves):
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
 interrupted one resumes. --stop-after MINUTES starts no new run after that many minutes (the running
 ones finish). A run that fails starts no other: the finished runs are archived and `run` exits 1
-naming its log. `report` uses every (budget, seed) whose runs of the study's arms are all finished and
-writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired difference
-from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and seconds
-to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same rule
-applied per budget to every training reward and every held-out judge; for the shift study the
+naming its log. `report` uses every (budget, seed) whose runs of the study's arms are all finished
+and writes into --out: table.md (per budget and arm: final λ-weighted gap closed, the paired
+difference from uniform with its standard error and the verdict, per-reward gaps, judges, epochs and
+seconds to 90% of uniform's final gap; the across-budget verdicts; the study's other pairs; the same
+rule applied per budget to every training reward and every held-out judge; for the shift study the
 pre-registered decision; for the settings studies the pairwise judge, the paper's three claims and
 the reruns' reproduction; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
 uniform per arm), weights.png (mean final W per arm and budget) and, for setting2, w_settings.png
@@ -1293,4 +1293,6 @@ if __name__ == "__main__":
                     help="minutes after which no new run starts (running ones finish)")  # fmt: skip
     args = ap.parse_args()
     args.seeds = args.seeds or STUDIES[args.study].get("seeds", 5)
+    for name in ("out", "archive", "code"):  # recast.py runs in --code: a relative --out would
+        setattr(args, name, os.path.abspath(getattr(args, name)))  # land there, unseen here
     {"run": run, "report": report, "archive": archive, "reproduce": reproduce}[args.cmd](args)
