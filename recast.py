@@ -470,15 +470,17 @@ def weights(run: Run, step_scores, gains_ema, metrics: dict):
 # ---------------------------------------------------------------------------------------------
 # Phase 4 — the NFT update, each (image, timestep) pair with its own r̄ (DESIGN §6)
 # ---------------------------------------------------------------------------------------------
-def nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, beta, adv_clip_max,
+def nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, beta=1.0, adv_clip_max=5.0,
                       v_ref=None, kl_coef=0.0) -> torch.Tensor:  # fmt: skip
     """DESIGN §6 written out: N pairs, image n noised to timestep t_n (W's column i_n), r (N, K).
-    The loop trains with its drop-in recast_kernels.nft_loss.nft_loss (same arguments, the value
-    and gradient to float rounding: test_method.py), one fused pass instead of these tensors."""
+    The loop trains with its drop-in recast_kernels.nft_loss.nft_loss (same arguments and
+    defaults, the value and gradient to float rounding: test_method.py), one fused pass instead of
+    these tensors."""
     N, T, dtype = v_theta.shape[0], W.shape[1], v_theta.dtype
     v_theta = v_theta.reshape(N, -1)
     v_old, x0, noise = (x.detach().reshape(N, -1) for x in (v_old, x0, noise))
-    w = W.detach().to(dtype)[:, t_index].T  # (N, K): each pair's column of W
+    w = W.detach().to(dtype)[:, t_index.long()].T  # (N, K): each pair's column of W (.long():
+    # a uint8 index would select columns as a mask)
     c = w.sum(1)  # (N,): 1/T when W's columns sum to 1/T
     mix = torch.minimum((w * r.detach().to(dtype)).sum(1).clamp_min(0), c)  # r̄·c, in [0, c]
     t = t.detach().to(dtype)[:, None]  # (N, 1)

@@ -489,6 +489,17 @@ def test_readable_loss_reads_c_from_ws_column():
                                atol=4e-7 * got[1][1].abs().max().item())  # fmt: skip
 
 
+def test_readable_loss_takes_the_kernels_defaults_and_any_integer_t_index():
+    """Called as the fused nft_loss may be (β and A_max left to their defaults, t_index of any
+    integer dtype), the readable loss is the reference's: a uint8 t_index selected W's columns as
+    a mask, not by index."""
+    v_theta, v_old, x0, noise, t, t_index, r, W, _ = loss_inputs(6)
+    want = kernel_loss.reference_nft_loss(v_theta, v_old, x0, noise, t, t_index, r, W)
+    for index in (t_index, t_index.to(torch.uint8), t_index.to(torch.int32)):
+        got = recast.nft_loss_readable(v_theta, v_old, x0, noise, t, index, r, W)
+        torch.testing.assert_close(got, want, rtol=4e-7, atol=0)
+
+
 def test_readable_loss_sees_every_input():
     """A mutation check of the comparison above: the readable loss moves with r, W, t and β."""
     v_theta, v_old, x0, noise, t, t_index, r, W, v_ref = loss_inputs(4)
