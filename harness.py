@@ -441,7 +441,8 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
     unit-joint: joint's of the scores over their pooled spreads), summed to 1. The signal ReCAST
     distributes over timesteps is λ's, in no units, under per-reward and batch, and λ's of
     unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale weighs
-    in too (DESIGN §3)."""
+    in too (DESIGN §3). Per-reward's clip of A to ±A_max is not read: it binds only in groups
+    of 27 images or more (|A| ≤ √(G − 1))."""
     s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
     spread = s.std(-1, correction=0)  # (K, M)
     pooled = spread.pow(2).mean(-1, keepdim=True).sqrt()  # (K, 1): batch's σ_k
@@ -449,8 +450,10 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
     if normalize == "unit-joint":  # joint's share of the unit-free scores s_k / σ_k
         scale = torch.where(pooled > 0, pooled, 1)  # σ_k = 0: flat in every group, no signal
         s, spread, normalize = s / scale[..., None], spread / scale, "joint"
-    if normalize == "joint":
-        spread = spread / (torch.einsum("k,kmg->mg", lam, s).std(-1, correction=0) + 1e-4)
+    if normalize == "joint":  # a group whose λ-sum is constant trains nothing (r = 1/2)
+        summed = torch.einsum("k,kmg->mg", lam, s)
+        flat = summed.amax(-1) == summed.amin(-1)  # (M,): its rewards' moves cancel exactly
+        spread = torch.where(flat, 0, spread / (summed.std(-1, correction=0) + 1e-4))
     elif normalize == "batch":
         spread = spread / (pooled + 1e-4)
     else:

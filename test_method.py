@@ -228,6 +228,24 @@ def test_signal_share_is_lambda_times_the_advantages_spread(rule):
     torch.testing.assert_close(share, weight / weight.sum(), rtol=1e-9, atol=0)
 
 
+def test_signal_share_under_joint_counts_nothing_of_a_group_whose_sum_cancels():
+    """A group whose λ-weighted sum is constant while its rewards move (two rewards' moves cancel
+    exactly) trains nothing under joint (r = 1/2, as the summed reward): its share is 0 there,
+    not its rewards' spread over the 1e-4 guard, which took nearly all of the signal."""
+    lam = torch.full((4,), 0.25, dtype=torch.float64)
+    scores = _scores()
+    scores[0, 8:16] = torch.linspace(-1, 1, 8, dtype=torch.float64)
+    scores[1, 8:16] = -scores[0, 8:16]  # group 1: rewards 0 and 1 cancel
+    scores[2:, 8:16] = 0.5
+    summed = (lam @ scores)[8:16]
+    assert summed.amax() == summed.amin()
+    A = 10 * (_r("joint", scores, lam) - 0.5)
+    assert A[:, 8:16].abs().max() == 0  # the loop trains nothing there
+    weight = lam * A.unflatten(1, (-1, 8)).std(-1, correction=0).mean(1)
+    share = harness.signal_share(scores, lam, 8, "joint")
+    torch.testing.assert_close(share, weight / weight.sum(), rtol=1e-9, atol=0)
+
+
 def test_unit_joint_gains_read_the_step_scores_in_no_units():
     """DESIGN §3: under unit-joint the gains read the step scores divided by σ_k of the epoch's
     final scores (recast.gain_scores), so their 1e-4 guard too meets numbers in no units: the
