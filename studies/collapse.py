@@ -98,7 +98,8 @@ def variance_parts(records: dict, prefix: str, names: list[str]) -> dict[str, di
             for k, n in enumerate(names):
                 ck = [row[k] for row in c]
                 mk = statistics.fmean(ck)
-                part[n] += sum((a - mk) * (b - mw) for a, b in zip(ck, w, strict=True)) / 4
+                cov = sum((a - mk) * (b - mw) for a, b in zip(ck, w, strict=True))
+                part[n] += cov / (len(runs) - 1)  # a sample covariance, as statistics.variance
         parts[arm] = {n: v / total for n, v in part.items()} if total else {}
     return parts
 
