@@ -137,8 +137,8 @@ def final_metrics(out: str) -> dict:
 
 
 def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
-    """--only's recipes (all when empty) and --seeds' seeds; an unknown recipe or a seed that is
-    not a whole number ≥ 0 exits 2 naming the flag."""
+    """--only's recipes (all when empty) and --seeds' seeds; an unknown recipe, or a seed that is
+    not a whole number ≥ 0 or is named twice, exits 2 naming the flag."""
     if bad := [n for n in only.split(",") if only and n not in RECIPES]:
         cli.fail("--only", f"no recipe {', '.join(bad)}; the recipes: {', '.join(RECIPES)}",
                  "recipe.py")  # fmt: skip
@@ -146,7 +146,10 @@ def sweep_plan(only: str, seeds: str) -> tuple[list[str], list[int]]:
         cli.fail("--seeds", f"takes seeds ≥ 0 separated by commas, e.g. 0,1,2; got {seeds!r}",
                  "recipe.py")  # fmt: skip
     recipes = [n for n in RECIPES if not only or n in only.split(",")]
-    return recipes, [int(s) for s in seeds.split(",")]
+    numbers = [int(s) for s in seeds.split(",")]
+    if len(set(numbers)) < len(numbers):  # one run counted twice: a mean of one seed, a std of 0
+        cli.fail("--seeds", f"names a seed twice ({seeds!r}): give each seed once", "recipe.py")
+    return recipes, numbers
 
 
 def sweep(args) -> None:

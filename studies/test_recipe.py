@@ -17,7 +17,8 @@ from test_recast import refused
 def test_an_unknown_recipe_or_a_malformed_seed_list_exits_2_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "sweep"
     for only, seeds, flag in (("nosuch", "0", "--only"), ("", "0,x", "--seeds"),
-                              ("", "0,,1", "--seeds"), ("", "-1", "--seeds")):  # fmt: skip
+                              ("", "0,,1", "--seeds"), ("", "-1", "--seeds"),
+                              ("", "0,1,0", "--seeds")):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             recipe.sweep(recipe.argparse.Namespace(only=only, seeds=seeds, out=str(out)))
         err = capsys.readouterr().err
