@@ -162,7 +162,13 @@ def parse(argv=None) -> argparse.Namespace:
         fail("--prompts", f"must be ≥ 1 (leave it out for the command's own), got {args.prompts}")
     if args.budget is not None and not (0 < args.budget < math.inf):  # 0: the default, unsaid
         fail("--budget", f"must be > 0 seconds (leave it out for the default), got {args.budget}")
-    if args.cost_model:
+    if args.cost_model:  # the model of the full sizes alone: a flag for a run would go unread
+        unread = [f for f, v in (("--out", args.out), ("--shrink", args.shrink),
+                                 ("--prompts", args.prompts), ("--budget", args.budget),
+                                 ("--reward-timing", args.reward_timing)) if v]  # fmt: skip
+        if unread:
+            fail("--cost-model", f"prints the cost model alone and reads no {', '.join(unread)}: "
+                 "drop them, or run the check without --cost-model")  # fmt: skip
         return args
     if not args.out:
         fail("--out", "give the folder for the report, e.g. --out scale_check_out")

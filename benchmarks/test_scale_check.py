@@ -136,6 +136,7 @@ def test_every_figure_is_reported(shrunk):
         (["--shrink", "16", "--budget", "0"], "--budget"),  # ran the default, as if left out
         (["--shrink", "16", "--budget", "nan"], "--budget"),
         (["--shrink", "x"], "--shrink"),
+        (["--cost-model", "--shrink", "16"], "--cost-model"),  # printed the model, read neither
     ],
 )
 def test_bad_input_exits_2_naming_the_flag_and_writes_nothing(flags, flag, tmp_path, capsys):
