@@ -1239,6 +1239,23 @@ def test_bad_input_exits_2_names_the_flag_and_writes_nothing(
     assert os.listdir(tmp_path) == []
 
 
+def test_a_flag_is_taken_by_its_whole_name_only(tmp_path, monkeypatch, capsys):
+    """An abbreviation exits 2 naming the flag it could mean: argparse took --norm for
+    --normalize, and with --weighting sum the default filled in for a --normalize not given
+    (cli.given reads whole names) replaced it: the raw sum trained, unsaid. A misspelt flag is
+    named with the one it is close to; nothing is written."""
+    import recast
+
+    monkeypatch.chdir(tmp_path)
+    for flags, said in ((["--weighting", "sum", "--norm", "unit-joint"], "--norm: no such flag: "
+                         "did you mean --normalize?"),
+                        (["--lamda", "1,1,1,1"], "--lamda: no such flag: did you mean --lambda?"),
+                        (["--nosuch", "3"], "--nosuch: no such flag (flags are given by their "
+                         "whole name; see --help)")):  # fmt: skip
+        refused(capsys, recast.main, ["--lambda", "1,1,1,1", *flags], f"recast.py: error: {said}")
+    assert os.listdir(tmp_path) == []
+
+
 def test_log_tensorboard_without_the_package_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails

@@ -258,8 +258,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, recast.Arg
 
 
 def model_flag(rest: list[str]) -> str:
-    """The --model of recast.py's flags `rest`, read as argparse reads it (the last one given,
-    --model=NAME, an unambiguous abbreviation); "sd35m" where none is given."""
+    """The --model of recast.py's flags `rest`, read as recast.py's parser reads it (the last one
+    given, or --model=NAME; an abbreviation it refuses); "sd35m" where none is given."""
     ap = cli.Parser(prog="memory_plan.py", add_help=False)
     ap.add_argument("--model", default="sd35m")
     return ap.parse_known_args(rest)[0].model

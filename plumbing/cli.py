@@ -3,6 +3,7 @@ is loaded or written. Bad input exits with code 2 and one line that names the fl
 
 import argparse
 import ast
+import difflib
 import inspect
 import json
 import math
@@ -58,9 +59,22 @@ def help_text(doc: str, default) -> str:
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are `fail`'s one line (prefixed with the parser's prog), not the
-    whole usage block."""
+    whole usage block. A flag is taken by its whole name only: an abbreviation (--norm for
+    --normalize) is refused, naming the flags it could mean, since `given` reads the command line
+    by whole names: a default filled in for a flag not given (fill_defaults) replaced its value."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
+        extra = message.removeprefix("unrecognized arguments: ").split()
+        if message.startswith("unrecognized arguments: ") and extra[0].startswith("--"):
+            flag = extra[0].split("=")[0]
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            near = [o for o in known if o.startswith(flag)] or difflib.get_close_matches(
+                flag, known, 3, 0.8)  # fmt: skip
+            fail(flag, f"no such flag{': did you mean ' + ' or '.join(near) + '?' if near else ''} "
+                 "(flags are given by their whole name; see --help)", self.prog)  # fmt: skip
         flag, _, detail = message.partition(": ")
         if flag.startswith("argument "):
             fail(flag.removeprefix("argument ").split("/")[0], detail, self.prog)
