@@ -1,6 +1,7 @@
 """The run folder: one run per folder (its lock), start or resume from the last good checkpoint,
 SIGINT and SIGTERM, summary.json, and the process's exit codes for the faults of a run."""
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -236,6 +237,9 @@ def start_or_resume(args, world, optimizer, rank: int, log=print, resolved: dict
         saved = {**asdict(args), **(resolved or {})}
         write_json_atomic(os.path.join(args.out, "args.json"), saved, again)
         rewrite_metrics(args.out, history)
+        if start <= args.epochs:  # a finished run given more epochs is unfinished again: its
+            with contextlib.suppress(FileNotFoundError):  # summary.json (the mark of a finished
+                os.remove(os.path.join(args.out, "summary.json"))  # run) returns at its end
         keep_environment(args.out, log)
     return start, opt_steps, gains_ema, history
 

@@ -415,6 +415,30 @@ def test_a_resume_with_epochs_below_those_done_exits_2_writing_nothing(tmp_path,
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
 
 
+def test_a_finished_run_resumed_for_more_epochs_is_unfinished_until_it_ends(tmp_path):
+    """--resume --epochs 5 of a run that finished at 3: its summary.json goes when it resumes and
+    comes back at its end (kept, the run looked finished while it trained: comparison.py's `done`
+    skipped it, and a kill left the old summary for a run of 5 epochs). A resume with nothing to
+    run keeps it."""
+    import types
+
+    import recast
+
+    run = str(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    world = types.SimpleNamespace(load_state_dict=lambda d: None, device="cpu", trainable=model)
+    checkpoints.save(run, 3, _tensors(3), optimizer.state_dict(), {"opt_steps": 15,
+                                                                  "gains_ema": None})  # fmt: skip
+    write_lines(tmp_path / "metrics.jsonl", range(4))
+    (tmp_path / "args.json").write_text("{}")
+    for epochs, kept in ((3, True), (5, False)):
+        (tmp_path / "summary.json").write_text("{}")
+        args = recast.Args(lam="0.4,0.2,0.2,0.2", out=run, resume=True, epochs=epochs)
+        start = rundir.start_or_resume(args, world, optimizer, 0, log=lambda _: None)[0]
+        assert start == 4 and (tmp_path / "summary.json").exists() == kept, epochs
+
+
 def test_a_torn_environment_json_is_a_note_not_a_traceback(tmp_path):
     """A resumed run whose environment.json is torn goes on (the file is a record, not its
     state), saying that a change of environment since its start cannot be noticed; the file is
