@@ -45,6 +45,23 @@ def test_ocr_target_is_the_quoted_text_and_a_prompt_without_one_fails_naming_it(
             rewards.quoted(prompt)
 
 
+def test_ocr_drops_a_box_found_in_the_padding_past_the_images_edge():
+    """The detector sees the image padded to a multiple of 32 px; text found wholly in that pad
+    was a box whose top lay below its bottom clamped to the image, and PIL's crop of it raised a
+    ValueError mid-run. A box inside the image is kept."""
+    from reward_models import ocr_reader
+
+    def detector(x):  # the maps at half resolution: one text blob inside, one in the pad
+        region = torch.zeros(x.shape[2] // 2, x.shape[3] // 2)
+        region[4:12, 2:14] = 0.9  # rows 8–24 of the image's 40
+        region[24:31, 2:14] = 0.9  # rows 48–62: below the image, in its pad (its own line)
+        return torch.stack([region, torch.zeros_like(region)])[None]  # (1, 2, H/2, W/2)
+
+    reader = ocr_reader.TextReader(detector, None, CPU)
+    boxes = reader.boxes(torch.zeros(3, 40, 40))
+    assert len(boxes) == 1 and boxes[0][1] < boxes[0][3] <= 40, boxes
+
+
 def test_vqa_and_hpsv3_refuse_a_prompt_holding_a_chat_control_token():
     """A prompt with <|image_pad|> took the next image's place in vlm.inputs (StopIteration
     mid-run); <|im_end|> or <|Reward|> end the question early or move the token HPSv3 reads."""

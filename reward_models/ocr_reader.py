@@ -282,7 +282,9 @@ class TextReader:
             for x0, y0, x1, y1 in _lines(out)
             for m in [int(0.1 * min(x1 - x0, y1 - y0))]  # EasyOCR's margin
         ]
-        return [box for box in out if max(box[2] - box[0], box[3] - box[1]) > 20]
+        return [box for box in out  # a box left with no area (found in the padding past the
+                if min(box[2] - box[0], box[3] - box[1]) > 0  # image's edge) has nothing to read
+                and max(box[2] - box[0], box[3] - box[1]) > 20]  # fmt: skip
 
     @torch.no_grad()
     def read(self, rgb: torch.Tensor) -> str:
