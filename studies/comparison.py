@@ -432,7 +432,11 @@ def decided_on(args, study: str) -> int:
 
 
 def evals(lines: list[dict]) -> list[dict]:
-    return [m for m in lines if "gap/weighted" in m]
+    """The protocol's evals, every EVAL_EVERY epochs: a run stopped between them (SIGTERM, the
+    sweep paused) evaluated at the epoch it stopped after too, and resumed from it; that extra
+    eval (its numbers are the resumed run's at that epoch) is left out, so every run of a study
+    has the same evals."""
+    return [m for m in lines if "gap/weighted" in m and m["epoch"] % EVAL_EVERY == 0]
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -455,7 +459,7 @@ def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
     seconds = 0.0
     for m in lines[1:]:
         seconds += m["time"]
-        if m.get("gap/weighted", -1e9) >= target:
+        if m in evals([m]) and m["gap/weighted"] >= target:
             return m["epoch"], seconds
     return float("inf"), float("inf")
 

@@ -157,6 +157,17 @@ def test_a_failed_run_starts_no_other_and_the_finished_are_archived(sweep, monke
     assert len(cmp.read_archive(sweep.archive)) == 77
 
 
+def test_an_eval_at_the_epoch_a_stopped_run_ended_is_not_one_of_the_protocols():
+    """A run stopped after epoch 3 (the sweep paused) evaluated there too and resumed: its record
+    held 11 evals, the others 10, and the report's curves ended in a ValueError. Only the evals
+    every EVAL_EVERY epochs count, in the curves and in the epochs to 90 %."""
+    lines = [{"epoch": 0, "time": 0.0}] + [
+        {"epoch": e, "time": 1.0, **({"gap/weighted": e / 10} if e % 2 == 0 or e == 3 else {})}
+        for e in range(1, 7)]  # fmt: skip
+    assert [m["epoch"] for m in cmp.evals(lines)] == [2, 4, 6]
+    assert cmp.to_reach(lines, 0.3) == (4, 4.0)  # not epoch 3's extra eval
+
+
 def test_shift_study_prints_judge_lines_and_applies_the_decision_rule(sweep):
     sweep.study = "shift"
     cmp.report(sweep)
