@@ -436,7 +436,12 @@ def evals(lines: list[dict]) -> list[dict]:
     sweep paused) evaluated at the epoch it stopped after too, and resumed from it; that extra
     eval (its numbers are the resumed run's at that epoch) is left out, so every run of a study
     has the same evals."""
-    return [m for m in lines if "gap/weighted" in m and m["epoch"] % EVAL_EVERY == 0]
+    return [m for m in lines if is_eval(m)]
+
+
+def is_eval(m: dict) -> bool:
+    """A metrics line that is one of the protocol's evals (see evals)."""
+    return "gap/weighted" in m and m["epoch"] % EVAL_EVERY == 0
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -459,7 +464,7 @@ def to_reach(lines: list[dict], target: float) -> tuple[float, float]:
     seconds = 0.0
     for m in lines[1:]:
         seconds += m["time"]
-        if m in evals([m]) and m["gap/weighted"] >= target:
+        if is_eval(m) and m["gap/weighted"] >= target:
             return m["epoch"], seconds
     return float("inf"), float("inf")
 
