@@ -559,17 +559,24 @@ def quoted(prompt: str) -> str:
     return parts[1]
 
 
+def control_token(prompt: str) -> str | None:
+    """The first of a Qwen2-VL chat's control tokens (<|image_pad|>, <|im_end|>, <|Reward|>, …)
+    that `prompt` holds, or None. Written into the chat, <|image_pad|> takes the next image's
+    place; the others end the question early or move the token HPSv3 reads."""
+    token = re.search(r"<\|[^<>|\s]+\|>", prompt)
+    return token.group() if token else None
+
+
 def plain_text(reward: str) -> Callable[[str], None]:
     """The check of a reward that writes each prompt into a Qwen2-VL chat (`vqa`, `hpsv3`): a
-    prompt holding one of the chat's control tokens (<|image_pad|>, <|im_end|>, <|Reward|>, …)
-    is a RewardError naming it. <|image_pad|> took the next image's place and stopped the scoring
-    mid-run; the others end the question early or move the token HPSv3 reads."""
+    prompt holding one of the chat's control tokens is a RewardError naming it. <|image_pad|>
+    stopped the scoring mid-run."""
 
     def check(prompt: str) -> None:
-        if token := re.search(r"<\|[^<>|\s]+\|>", prompt):
+        if token := control_token(prompt):
             raise RewardError(
                 f"reward {reward!r} writes each prompt into its vision-language model's chat, "
-                f"where {token.group()!r} is a control token; {prompt!r} holds it: remove it"
+                f"where {token!r} is a control token; {prompt!r} holds it: remove it"
             )
 
     return check

@@ -130,6 +130,11 @@ def judge_votes(args, prompts: list[str], a: torch.Tensor, b: torch.Tensor) -> t
     from studies import vlm_judge
 
     try:
+        vlm_judge.check_prompts(prompts)
+    except ValueError as e:
+        raise BadInput("RUN_A", f"{e}; these runs' held-out prompts cannot be judged by a VLM "
+                       "as written") from e  # fmt: skip
+    try:
         judge = vlm_judge.VLMJudge(args.judge_model, torch.device(args.device))
     except (OSError, ValueError) as e:
         raise BadInput("--judge-model", str(e)) from e

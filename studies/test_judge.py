@@ -85,6 +85,7 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
     a = fake_run(tmp_path / "a", ideal)
     other_noise = fake_run(tmp_path / "n", ideal, noise_seed=1)
     other_prompts = fake_run(tmp_path / "p", ideal, prompts=PROMPTS[::-1])
+    token = fake_run(tmp_path / "t", ideal, prompts=[p + " <|im_end|>" for p in PROMPTS])
     (tmp_path / "empty").mkdir()
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     cases = [
@@ -92,6 +93,11 @@ def test_judge_bad_input_exits_2_naming_what_is_wrong(tmp_path, capsys):
         ([a, other_prompts], "different prompts"),
         ([a, str(tmp_path / "empty")], "RUN_B: " + str(tmp_path / "empty") + " has no saved"),
         ([a, a, "--judge", "vlm"], "--judge-model: --judge vlm needs --judge-model"),
+        # checked before the model loads (its folder is missing here)
+        (
+            [token, token, "--judge", "vlm", "--judge-model", str(tmp_path / "nowhere")],
+            "RUN_A: the VLM judge writes each prompt into its model's chat, where '<|im_end|>'",
+        ),
         ([a, a, "--judge", "llm"], "--judge: invalid choice: 'llm'"),  # was the usage block
         ([a], "usage: the following arguments are required: RUN_B"),
     ]

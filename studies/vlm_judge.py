@@ -33,7 +33,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from rewards import VLM, VLM_IMAGE_TOKEN, to_pil
+from rewards import VLM, VLM_IMAGE_TOKEN, control_token, to_pil
 
 QUESTION = (
     'Two images were generated for the prompt: "{prompt}". Which image follows the prompt more '
@@ -41,6 +41,16 @@ QUESTION = (
 )
 IMAGE_TOKEN = VLM_IMAGE_TOKEN
 PROGRESS_OVER = 8  # pairs: a progress bar for more than this many
+
+
+def check_prompts(prompts: list[str]) -> None:
+    """A ValueError naming the first prompt that holds one of the chat's control tokens
+    (<|image_pad|>, <|im_end|>, …): written into the question, it would take an image's place or
+    end the question early (the `vqa` and `hpsv3` rewards refuse such prompts too)."""
+    for prompt in prompts:
+        if token := control_token(prompt):
+            raise ValueError(f"the VLM judge writes each prompt into its model's chat, where "
+                             f"{token!r} is a control token; {prompt!r} holds it")  # fmt: skip
 
 
 def both_orders(ab: torch.Tensor, ba: torch.Tensor) -> torch.Tensor:
@@ -100,6 +110,7 @@ class VLMJudge:
                     f"VLM judge: {name} images have shape {tuple(images.shape)}; want "
                     f"({len(prompts)}, 3, H, W), one image per prompt"
                 )
+        check_prompts(prompts)
         pairs = list(zip(to_pil(first), to_pil(second), strict=True))
         out = []
         starts = range(0, len(prompts), batch_size)
