@@ -660,9 +660,17 @@ def vqa(device: torch.device) -> RewardFn:
 
 
 def vqa_scorer(vlm: VLM, answer: str = "Yes") -> RewardFn:
-    """VQAScore, given a loaded `VLM`: P(answer | image, question), CHUNK images a forward."""
+    """VQAScore, given a loaded `VLM`: P(answer | image, question), CHUNK images a forward. The
+    answer's tokens must be the chat's last tokens (a tokenizer may merge them with the text
+    before): checked here, before any image is scored, and on every batch."""
     answer_ids = torch.tensor(vlm.tokenizer.encode(answer, add_special_tokens=False))
     n = len(answer_ids)
+    asked = [{"type": "image"}, {"type": "text", "text": VQA_QUESTION.format(prompt="a cat")}]
+    tail = vlm.tokenizer.encode(vlm.chat(asked) + answer, add_special_tokens=False)[-n:]
+    if tail != answer_ids.tolist():
+        raise ValueError(f"{vlm.who}: {answer!r} is tokenized apart from the question (its "
+                         f"tokens {answer_ids.tolist()}, after the question {tail}): VQAScore "
+                         "reads the answer's tokens after the question")  # fmt: skip
 
     @torch.no_grad()
     def score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

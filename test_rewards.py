@@ -284,6 +284,24 @@ def test_vqa_is_the_models_probability_of_yes(tiny_vlm, monkeypatch):
     assert not torch.equal(got, vqa(images(3, 1), PROMPTS))
 
 
+def test_vqa_refuses_an_answer_tokenized_apart_from_the_question(tiny_vlm):
+    """VQAScore reads the answer's own tokens after the question. A tokenizer that spells the
+    answer alone otherwise than after the chat (here: a leading space token it would not have
+    there) is refused when the reward is built, before any image is scored."""
+    vlm = rewards.VLM(tiny_vlm, CPU)
+    vlm.load()
+    rewards.vqa_scorer(vlm)  # the tiny tokenizer spells "Yes" alike alone and after the chat
+    encode = vlm.tokenizer.encode
+
+    def spaced(text, **kw):
+        ids = encode(text, **kw)
+        return encode(" ", **kw) + ids if text == "Yes" else ids
+
+    vlm.tokenizer.encode = spaced
+    with pytest.raises(ValueError, match="'Yes' is tokenized apart from the question"):
+        rewards.vqa_scorer(vlm)
+
+
 def test_vqa_without_its_model_names_its_variable(tiny_vlm, tmp_path, monkeypatch):
     monkeypatch.delenv("RECAST_VQA", raising=False)
     with pytest.raises(FileNotFoundError, match="set RECAST_VQA"):
