@@ -34,8 +34,9 @@ seconds to 90% of uniform's final gap; the across-budget verdicts; the study's o
 rule applied per budget to every training reward and every held-out judge; for the shift study the
 pre-registered decision; for the settings studies the pairwise judge, the paper's three claims and
 the reruns' reproduction; uniform's last eval-to-eval changes), curves.png, dose.png (gain over
-uniform per arm), weights.png (mean final W per arm and budget) and, for setting2, w_settings.png
-(ReCAST's W in both settings).
+uniform per arm), weights.png (mean final W per arm and budget), for setting2 w_settings.png
+(ReCAST's W in both settings), and for settings 5 and 6 units.png (how far each rule moved when
+only the rewards' units changed).
 
 `archive` keeps what the report reads of every finished run (per epoch: the time; at each eval: the
 held-out scores and gaps; the final W) in docs/comparison/runs.jsonl, a few kB per run, committed
@@ -909,6 +910,7 @@ def units_lines(r: Report) -> list[str]:
     scale = UNITS[int(k)]
     out = ["", f"How far each rule moved when only the units changed (--reward-scale {scale}), "
            "final λ-weighted gap, changed − native, paired by seed:", ""]  # fmt: skip
+    shift = {}  # arm → (mean, SE) per budget
     for a in UNIT_ARMS:
         native, moved = f"t{k}-{a}", f"t{k}x-{a}"
         if native not in r.arms or moved not in r.arms:
@@ -924,7 +926,30 @@ def units_lines(r: Report) -> list[str]:
             )  # fmt: skip
             + f"; largest |difference| of one run {largest:.4f}"
         )
+        shift[a] = ds
+    if shift:
+        plot_units(shift, r.budgets, f"setting {k}, --reward-scale {scale}", r.out_dir)
+        out += ["", "- units.png: each rule's move per budget (mean ± 2 SE), 0 for a rule "
+                "the units do not reach"]  # fmt: skip
     return out
+
+
+def plot_units(moved: dict, budgets: list[str], title: str, out_dir: str) -> None:
+    """units.png: per arm, the final λ-weighted gap in changed units − native, paired by seed,
+    one point per budget (mean ± 2 SE), arms side by side."""
+    fig, ax = plt.subplots(figsize=(1.1 * len(moved) + 2.4, 3.4))
+    for i, ds in enumerate(moved.values()):
+        for j, (d, se) in enumerate(ds):
+            x = i + (j - (len(ds) - 1) / 2) * 0.12
+            ax.errorbar(x, d, yerr=2 * se, fmt="o", ms=4, color=f"C{j}", capsize=2,
+                        label=budgets[j] if i == 0 else None)  # fmt: skip
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_xticks(range(len(moved)), list(moved))
+    ax.set(title=title, ylabel="gap, changed − native units")
+    ax.legend(title="λ", fontsize=7, title_fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "units.png"), dpi=110)
+    plt.close(fig)
 
 
 def units_ship_lines(r: Report) -> list[str]:

@@ -229,7 +229,7 @@ def test_the_verdict_is_provisional_with_fewer_seeds_than_the_protocol(tmp_path,
     assert lines[-1].endswith("(so far: not every run is finished, this decides nothing)")
 
 
-def test_how_far_each_rule_moved_is_changed_minus_native_paired_by_seed():
+def test_how_far_each_rule_moved_is_changed_minus_native_paired_by_seed(tmp_path):
     """units_lines: per budget, changed − native paired within seed (its SE from the per-seed
     differences, not from the two arms' spreads), and the largest |difference| of one run."""
     native = {lam: [0.30, 0.40, 0.50] for lam in cmp.BUDGETS}
@@ -241,8 +241,9 @@ def test_how_far_each_rule_moved_is_changed_minus_native_paired_by_seed():
         gap[lam, "t6-unitjoint"], gap[lam, "t6x-unitjoint"] = native[lam], native[lam]
     arms = ["t6-uniform", "t6-unitjoint", "t6x-uniform", "t6x-unitjoint"]
     r = SimpleNamespace(args=SimpleNamespace(study="setting6"), budgets=cmp.BUDGETS, gap=gap,
-                        arms=arms)  # fmt: skip
+                        arms=arms, out_dir=str(tmp_path))  # fmt: skip
     lines = cmp.units_lines(r)
+    assert (tmp_path / "units.png").stat().st_size > 0 and lines[-1].startswith("- units.png")
     assert "(--reward-scale 0.1,0.1,10,1)" in lines[1]
     uniform = next(x for x in lines if x.startswith("- uniform: "))
     assert uniform == ("- uniform: " + "+0.0167 ± 0.0033 win; " * 4 + "-0.0200 ± 0.0200 tie; "
