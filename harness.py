@@ -24,6 +24,7 @@ import rewards
 from plumbing import checkpoints, cli, distributed, eval_images, plots, rundir, tblog
 from plumbing.distributed import init_processes, mean_all, resolve_precision, shard_models
 from plumbing.plots import timestep_centroid
+from plumbing.reward_profile import off_lambda, share_warning
 from worlds import hub, toyworld
 
 # A flag's value in runs made before the flag existed (their args.json lacks it).
@@ -107,7 +108,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     precision: str | None = None  # a diffusers model's, --precision resolved; None: the toy's
     views: tblog.Views | None = None  # rank 0 with --log: TensorBoard, wandb
-    flat_said: set = field(default_factory=set)  # rewards said to be constant in every group
+    said: set = field(default_factory=set)  # notes said once a run (note_flat_rewards, note_shares)
     # A benchmark's hooks. `observe` is entered around each phase and step of the loop by name
     # (rollout, score, recast, steps, weights, update, loss, backward, step, eval, save):
     # benchmarks/scale_check.py times them through it; by default it does nothing. `nft_loss`,
@@ -474,18 +475,33 @@ def note_flat_rewards(run: "Run", groups: torch.Tensor, epoch: int) -> None:
     spread = centred.pow(2).mean((1, 2)).sqrt()  # in the scores' dtype, as the rules compute it
     exact = centred.double().pow(2).mean((1, 2)).sqrt()
     for k, name in enumerate(run.names):
-        if name in run.flat_said:
+        if ("flat", name) in run.said:
             continue
         if same[k].all():
-            run.flat_said.add(name)
+            run.said.add(("flat", name))
             run.log(f"note: reward {name} is constant in every group at epoch {epoch}: it "
                     "trains nothing while it stays so (said once a run)")  # fmt: skip
         elif not 0 < spread[k] < math.inf and 0 < exact[k] < math.inf:
-            run.flat_said.add(name)
+            run.said.add(("flat", name))
             run.log(f"note: reward {name}'s scores vary by about {exact[k]:.3g} within its groups "
                     f"at epoch {epoch}, a spread whose square {groups.dtype} cannot hold: it reads "
                     "as 0 or infinite and the reward trains nothing; give it --reward-scale to "
                     "bring its spread near 1 (said once a run)")  # fmt: skip
+
+
+def note_shares(run: "Run", m: dict, epoch: int) -> None:
+    """Say once a run, beside λ, each reward's effective share of the signal (mix_stats' share/)
+    when one differs from its λ by more than a factor of 2: λ does not say what that reward
+    weighs (under joint and the raw summed reward, its raw score scale weighs in: DESIGN §3)."""
+    share = [m[f"share/{n}"] for n in run.names]
+    off = off_lambda(run.names, run.lam.tolist(), share)
+    off = [n for n in off if ("flat", n) not in run.said]  # said already: flat or out of range
+    if off and "shares" not in run.said:
+        run.said.add("shares")
+        pairs = zip(run.names, share, run.lam.tolist(), strict=True)
+        run.log(f"epoch {epoch}: each reward's share of the signal (λ): "
+                + ", ".join(f"{n} {s:.2f} ({b:.2f})" for n, s, b in pairs))  # fmt: skip
+        run.log(share_warning(off, signal_rule(run.args)) + " (said once a run)")
 
 
 def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor) -> dict:

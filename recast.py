@@ -680,6 +680,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
             harness.note_flat_rewards(run, g, epoch)
             m["W"] = W.tolist()  # below: clamped pairs, largest |A|, each reward's signal share
             m.update(harness.mix_stats(run, final, r, train_weights(run, W)))
+            harness.note_shares(run, m, epoch)
             with run.phase(m, "update"):  # 4. NFT update, rewards mixed by W (DESIGN §6)
                 loss, opt_steps = nft_update(run, epoch, prompts, x0, r, W, opt_steps)
                 m["loss"] = loss.item()

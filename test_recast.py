@@ -1450,6 +1450,19 @@ def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monke
     assert "'color'" in err and "prompt '" in err and "inf" in err
 
 
+def test_every_run_says_once_when_a_share_of_the_signal_is_far_from_lambda(tmp_path, capsys):
+    """Under joint, position's raw spread takes most of the signal: the run says so once, beside
+    λ; under unit-joint each reward gets about its λ, and nothing is said."""
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", tmp_path / "joint")
+    said = capsys.readouterr().out
+    assert said.count("warning: the share of position") == 1 and "(said once a run)" in said
+    assert "each reward's share of the signal (λ): position 0." in said and "(0.40)" in said
+    assert metrics_of(tmp_path / "joint")[1]["share/position"] > 0.8
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--normalize", "unit-joint",
+              "--out", tmp_path / "unit")  # fmt: skip
+    assert "warning: the share" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("normalize", ["joint", "per-reward", "batch", "unit-joint"])
 def test_constant_reward_groups_get_one_half_and_are_counted(tmp_path, monkeypatch, capsys,
                                                             normalize):  # fmt: skip

@@ -75,6 +75,26 @@ def report(step_scores, D, gains, lam, names: list[str], a, source: str, w_of) -
     }  # fmt: skip
 
 
+def off_lambda(names: list[str], lam, share) -> list[str]:
+    """The rewards whose effective share of the signal differs from their budget λ by more than a
+    factor of 2 either way (λ and share each summing to 1)."""
+    return [n for n, b, s in zip(names, lam, share, strict=True) if not b / 2 <= s <= 2 * b]
+
+
+def share_warning(off: list[str], normalize: str) -> str:
+    """One line: λ does not say what these rewards weigh under `normalize`, and why."""
+    why = (
+        "λ weighs raw score scales; --normalize unit-joint, batch or per-reward gives each "
+        "reward about λ, in any units"
+        if normalize == "joint"
+        else "their advantage varies unevenly between groups"
+    )
+    return (
+        f"warning: the share of {', '.join(off)} differs from λ by more than a factor of 2: "
+        f"under --normalize {normalize} {why} (DESIGN §3)"
+    )
+
+
 def lines(p: dict) -> list[str]:
     """What profile.json says, in plain words."""
     T, sd = p["steps"], p["bootstrap"]
@@ -99,17 +119,9 @@ def lines(p: dict) -> list[str]:
         f"{p['normalize']} on this rollout: λ_k × the spread of its advantage in a group, summed "
         "to 1 (DESIGN §3)"
     )
-    off = [
-        n
-        for n, b, s in zip(p["names"], p["lam"], p["share"], strict=True)
-        if not b / 2 <= s <= 2 * b
-    ]
+    off = off_lambda(p["names"], p["lam"], p["share"])
     if off:
-        out.append(
-            f"warning: the share of {', '.join(off)} differs from λ by more than a factor of 2: "
-            f"under --normalize {p['normalize']} λ weighs raw score scales; --normalize batch or "
-            "per-reward gives each reward about λ (DESIGN §3)"
-        )
+        out.append(share_warning(off, p["normalize"]))
     out += [
         f"W's L1 distance from uniform weighting λ/T: {p['l1_from_uniform']:.2f} ± "
         f"{sd['l1_from_uniform']:.2f} (0: ReCAST would weight like uniform; 2: disjoint)",
