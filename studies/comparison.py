@@ -259,6 +259,12 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "arms": [f"t{k}{u}-{a}" for u in ("", "x") for a in UNIT_ARMS],
             "pairs": [
                 (f"t{k}x-{a}", f"t{k}-{a}", f"{a}: changed units − native") for a in UNIT_ARMS
+            ]
+            + [  # added after the result, beside the shipping rule (docs/results.md): ReCAST
+                # against the summed reward on the same scores, in each unit system
+                (f"t{k}{u}-{a}", f"t{k}{u}-{b}", f"{a} − {b}, {w}")
+                for u, w in (("", "native"), ("x", "changed units"))
+                for a, b in (("joint", "sum"), ("unitjoint", "sumunit"))
             ],  # fmt: skip
             "names": list(TOY5 if k == 5 else TOY6),
             "judges": JUDGES5 if k == 5 else JUDGES6,
