@@ -262,11 +262,14 @@ def scoring_defaults(args, argv: list[str] | None) -> dict:
     """A diffusers model's defaults for scoring step predictions (diffusersworld.scoring_defaults)
     on a new run that scores them, for the flags not given; the toy world scores every group in
     fp32 (2 % of its epoch) and --profile every group (that is all it does). Returns what it set.
-    Uniform and sum score nothing and have no gains in W: their --gain-shift default is 0, and
-    their --normalize per-reward (uniform with joint is sum; sum is one reward)."""
-    if args.weighting in ("uniform", "sum"):
-        cli.fill_defaults(args, argv, {"gain_shift": 0, "normalize": "per-reward"})
-    if not is_diffusers(args.model) or args.weighting in ("uniform", "sum"):
+    The weightings without gains (flat, uniform, sum, gdpo) score nothing: their --gain-shift
+    default is 0; uniform's --normalize is per-reward (per-reward uniform), sum's and gdpo's are
+    their own (one reward), flat keeps ReCAST's (its ablation)."""
+    if args.weighting in cli.NO_GAINS:
+        cli.fill_defaults(args, argv, {"gain_shift": 0})
+    if args.weighting in ("uniform", "sum", "gdpo"):
+        cli.fill_defaults(args, argv, {"normalize": "per-reward"})
+    if not is_diffusers(args.model) or args.weighting in cli.NO_GAINS:
         return {}
     from worlds import diffusersworld
 
@@ -287,6 +290,9 @@ def setup(flags: type, argv: list[str] | None, doc: str) -> "Run":
         cli.fail("--normalize", "--weighting sum is one reward, normalised as one: drop "
                  "--normalize for the sum of the raw scores, or give --normalize unit-joint for "
                  "the sum of unit-free ones")  # fmt: skip
+    if args.weighting == "gdpo" and cli.given(argv, ["normalize"]):
+        cli.fail("--normalize", "--weighting gdpo z-scores each reward in its group and whitens "
+                 "their λ-sum over the batch, its own normalisation: drop --normalize")  # fmt: skip
     if args.model != "toy" and is_toy_model(args.model):  # before what it says of the toy world
         not_toy = toyworld.not_a_toy_model(args.model)  # e.g. a pipeline's transformer/ folder
         if not_toy:
@@ -429,7 +435,10 @@ def in_units(fn, factor: float):
 
 def signal_rule(args) -> str:
     """The normalisation whose signal the loss reads: --normalize, or for --weighting sum (one
-    reward Σ λ_k s_k) joint's on raw scores, unit-joint's on unit-free ones."""
+    reward Σ λ_k s_k) joint's on raw scores, unit-joint's on unit-free ones, for gdpo per-reward's
+    (each reward z-scored in its group before the λ-sum: the batch's whitening scales them all)."""
+    if args.weighting == "gdpo":
+        return "per-reward"
     if args.weighting == "sum":
         return "unit-joint" if args.normalize == "unit-joint" else "joint"
     return args.normalize
@@ -512,7 +521,7 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     Wt = Wt.to(r)
     mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
     out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
-    rows = ["sum"] if run.args.weighting == "sum" else run.names
+    rows = [run.args.weighting] if run.args.weighting in ("sum", "gdpo") else run.names
     adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
     out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
     share = signal_share(final, run.lam, run.args.group_size, signal_rule(run.args))

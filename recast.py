@@ -62,18 +62,24 @@ class Args:
     never trained on (default: the world's own, shape,iou in the toy world, none for a diffusers
     model)"""
     # --- ReCAST ---
-    weighting: Literal["recast", "uniform", "sum", "reversed"] = "recast"
-    """recast (W from the gains, DESIGN §5) | uniform (W = λ/T) | sum (one reward Σ λ_k s_k) |
-    reversed (ReCAST's W with its timesteps in reverse order: a placement control); uniform and sum
-    score no step prediction (DiffusionNFT's cost)"""
-    normalize: Literal["joint", "per-reward", "batch", "unit-joint"] = "joint"
-    """joint (every reward's centred score divided by the group spread of the λ-weighted sum, so
-    W = λ/T is --weighting sum exactly) | per-reward (each reward's advantage divided by its own
-    group spread) | batch (each reward's centred score divided by its within-group spread pooled
-    over the whole batch) | unit-joint (joint on the scores divided by batch's spreads: λ weighs
-    rewards in no units, r unchanged when a reward's units change): DESIGN §3
-    default: 'joint'; 'per-reward' with --weighting uniform (joint with uniform is --weighting
-    sum); with --weighting sum only unit-joint may be given (the sum of unit-free scores)"""
+    weighting: Literal["recast", "flat", "uniform", "sum", "gdpo", "reversed"] = "recast"
+    """recast (W from the gains, DESIGN §5) | flat (ReCAST without its timing: the same r,
+    W = λ/T) | uniform (W = λ/T on per-reward r) | sum (one reward Σ λ_k s_k, DiffusionNFT's and
+    flow_grpo's) | gdpo (one reward: each z-scored in its group, λ-summed, whitened over the
+    batch; Flow-Factory's default) | reversed (ReCAST's W with its timesteps in reverse order: a
+    placement control); all but recast and reversed score no step prediction (DiffusionNFT's
+    cost). Each baseline differs from the default in this one flag (README)"""
+    normalize: Literal["unit-joint", "joint", "per-reward", "batch"] = "unit-joint"
+    """unit-joint (each reward divided by its within-group spread pooled over the batch, then
+    joint: λ weighs rewards in no units, r unchanged when a reward's units change) | joint (every
+    reward's centred score divided by the group spread of the λ-weighted raw sum: λ weighs raw
+    units, as the summed reward does) | per-reward (each reward's advantage divided by its own
+    group spread) | batch (each reward's centred score divided by its pooled spread): DESIGN §3.
+    unit-joint is the default because joint let a reward's units decide its share: in the units
+    test's archive unit-joint beat joint in 18 of 20 (setting, units, budget) cells and lost none
+    (python studies/comparison.py report --study setting5 --out docs, and setting6)
+    default: 'unit-joint'; 'per-reward' with --weighting uniform; with --weighting sum only
+    unit-joint may be given (the sum of unit-free scores); gdpo takes none"""
     alpha: float = 2.0
     """Rényi order of the discriminability D (1 = KL)"""
     tau: float = 1.0
@@ -86,7 +92,7 @@ class Args:
     timestep i (the alignment comparison: docs/results.md), 0 credits D_i+1 - D_i; the first S
     columns get about the static mix λ, the last S gains are dropped (the last is ≈ 0 with an Euler
     sampler)
-    default: 1; 0 with --weighting uniform or sum (no gains in W)"""
+    default: 1; 0 with --weighting flat, uniform, sum or gdpo (no gains in W)"""
     gain_ema: float = 0.8
     """EMA of the gains across epochs (0: this epoch's gains only)"""
     gain_every: int = 1
@@ -346,11 +352,28 @@ def unit_joint_optimality(final: torch.Tensor, lam: torch.Tensor, group_size: in
                             adv_clip_max)  # fmt: skip
 
 
+def gdpo_optimality(final: torch.Tensor, lam: torch.Tensor, group_size: int,
+                    adv_clip_max: float = 5.0) -> torch.Tensor:  # fmt: skip
+    """--weighting gdpo: GDPO's one advantage (arXiv 2601.05242; Flow-Factory's default
+    aggregation), r (1, N). Each reward z-scored within its group, A_k = (s_k - mean_group s_k) /
+    max(std_group s_k, 1e-6), λ-summed, then whitened over the whole batch (every rank's groups):
+    A = (Σ_k λ_k A_k - mean_batch) / max(std_batch, 1e-6), clipped to ±A_max;
+    r = 1/2 + A / (2 A_max). Without the whitening, and with W = λ/T, it is per-reward uniform."""
+    s = final.unflatten(-1, (-1, group_size))  # (K, M, G)
+    std = s.std(-1, correction=0, keepdim=True).clamp_min(1e-6)
+    mixed = lam.to(final) @ (group_centred(final, group_size) / std).flatten(-2)  # (N,)
+    white = (mixed - mixed.mean()) / mixed.std(correction=0).clamp_min(1e-6)
+    return (0.5 + white.clamp(-adv_clip_max, adv_clip_max) / (2 * adv_clip_max))[None]
+
+
 def optimality(run: Run, final: torch.Tensor) -> torch.Tensor:
     """r (K, N) of every rank's final scores (K, N) under --normalize; with --weighting sum,
     DiffusionNFT's single reward Σ_k λ_k s_k, normalised per group (1, N), of the raw scores or,
-    under unit-joint, of the unit-free ones (= unit-joint with W = λ/T)."""
+    under unit-joint, of the unit-free ones (= unit-joint with W = λ/T); with --weighting gdpo,
+    GDPO's one advantage (1, N)."""
     G, A = run.args.group_size, run.args.adv_clip_max
+    if run.args.weighting == "gdpo":
+        return gdpo_optimality(final, run.lam, G, A)
     if run.args.weighting == "sum":
         if run.args.normalize == "unit-joint":
             final = unit_free(final, pooled_spread(final, G))
@@ -448,7 +471,7 @@ def gain_scores(run: Run, step_scores: torch.Tensor | None, final: torch.Tensor)
 
 def weights(run: Run, step_scores, gains_ema, metrics: dict):
     """The gains of this epoch's step scores (None: not scored this epoch; gain_scores' units),
-    their EMA across epochs, and W (K, T) for --weighting recast | reversed | uniform | sum.
+    their EMA across epochs, and W (K, T) for --weighting recast | reversed, λ/T for the others.
     Returns (W, gains_ema)."""
     with run.observe("weights"):
         args, K, T = run.args, len(run.names), run.args.steps
@@ -501,8 +524,10 @@ def nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, beta=1.0, adv
 
 
 def train_weights(run: Run, W: torch.Tensor) -> torch.Tensor:
-    """The W the loss reads, rows matching r: --weighting sum trains its one reward with 1/T."""
-    return W.new_full((1, run.args.steps), 1 / run.args.steps) if run.args.weighting == "sum" else W
+    """The W the loss reads, rows matching r: --weighting sum and gdpo train their one reward
+    with 1/T."""
+    one = run.args.weighting in ("sum", "gdpo")
+    return W.new_full((1, run.args.steps), 1 / run.args.steps) if one else W
 
 
 def pair_loss(run: Run, x0, cond, r, W, n, i, eps, counted: bool = True) -> torch.Tensor:
@@ -666,7 +691,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                 per_image = [p for p in my_prompts for _ in range(G)]
                 final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
             with run.phase(m, "recast"):  # 3. step scores, gains, W: ReCAST's cost (DESIGN §4-5)
-                with_steps = args.weighting in ("recast", "reversed")  # uniform, sum: no gains
+                with_steps = args.weighting in ("recast", "reversed")  # the others: no gains
                 with_steps = with_steps and (epoch - 1) % args.gain_every == 0
                 step_scores = score_steps(run, preds, final, per_image) if with_steps else None
                 if step_scores is not None:  # --gain-frac of --prompts, on any number of ranks

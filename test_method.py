@@ -282,6 +282,53 @@ def test_unit_joint_with_uniform_w_is_the_unit_free_sum():
     torch.testing.assert_close(mix.clamp(0, 1), _r("sum unit-joint", scores, lam)[0])
 
 
+def test_gdpo_is_the_hand_computation():
+    """--weighting gdpo (DESIGN §3) on a batch small enough to do by hand: each reward z-scored in
+    its group (population std), λ-summed, whitened over the batch, clipped and mapped to r."""
+    import statistics
+
+    lam = torch.tensor([0.75, 0.25], dtype=torch.float64)
+    s = [[1.0, 2.0, 6.0, 0.0, 0.0, 3.0], [10.0, 40.0, 10.0, 5.0, 5.0, 5.0]]  # G = 3, M = 2
+    z = []
+    for k in range(2):
+        row = []
+        for g in range(2):
+            grp = s[k][3 * g : 3 * g + 3]
+            mu, sd = statistics.fmean(grp), statistics.pstdev(grp)
+            row += [0.0 if sd == 0 else (x - mu) / max(sd, 1e-6) for x in grp]
+        z.append(row)
+    mixed = [0.75 * a + 0.25 * b for a, b in zip(*z, strict=True)]
+    mu, sd = statistics.fmean(mixed), statistics.pstdev(mixed)
+    expected = [0.5 + max(-5.0, min(5.0, (x - mu) / sd)) / 10 for x in mixed]
+    got = recast.gdpo_optimality(torch.tensor(s, dtype=torch.float64), lam, 3)
+    assert got.shape == (1, 6)
+    torch.testing.assert_close(got[0], torch.tensor(expected, dtype=torch.float64), rtol=0,
+                               atol=1e-12)  # fmt: skip
+    # a clip that binds: one image far above a batch of equals
+    wide = torch.zeros(1, 40, dtype=torch.float64)
+    wide[0, 0] = 1.0
+    r = recast.gdpo_optimality(wide, torch.ones(1, dtype=torch.float64), 4, adv_clip_max=2.0)
+    assert r[0, 0] == 1.0 and r.min() >= 0
+    # the whitening removes λ's scale, and a group flat in every reward trains nothing there
+    flat = _scores()
+    torch.testing.assert_close(recast.gdpo_optimality(flat, 3 * LAM.double(), 8),
+                               recast.gdpo_optimality(flat, LAM.double(), 8))  # fmt: skip
+    r = recast.gdpo_optimality(flat, LAM.double(), 8)
+    assert r[0, :8].std() == 0
+
+
+def test_gdpo_without_its_whitening_is_per_reward_uniform():
+    """Per-reward uniform (W = λ/T on per-reward r) mixes 1/2 + Σ λ_k A_k / (2 A_max): GDPO's
+    λ-sum before the whitening (G = 8: no per-reward clip binds, and the guards differ by 1e-4)."""
+    scores = _scores()
+    lam = LAM.double()
+    mix = lam @ _r("per-reward", scores, lam)  # (N,)
+    s = scores.unflatten(1, (-1, 8))
+    z = recast.group_centred(scores, 8) / s.std(-1, correction=0, keepdim=True).clamp_min(1e-6)
+    unwhitened = 0.5 + (lam @ z.flatten(1)) / 10
+    torch.testing.assert_close(mix, unwhitened, rtol=0, atol=1e-3)
+
+
 # gain_profiles and recast_weights: the weight matrix W (DESIGN §5)
 # ---------------------------------------------------------------------------------------------
 LAM = torch.tensor([0.4, 0.2, 0.2, 0.2])
@@ -643,7 +690,7 @@ def test_old_policy_decay_rises_with_the_optimizer_steps_to_its_cap():
 # The flags: the defaults --help shows are the defaults that run
 # ---------------------------------------------------------------------------------------------
 FILLED = {  # the flags harness.scoring_defaults may set → what their `default:` line must name
-    "normalize": "--weighting uniform", "gain_shift": "--weighting uniform or sum",
+    "normalize": "--weighting uniform", "gain_shift": "--weighting flat, uniform, sum or gdpo",
     "gain_frac": "diffusers --model", "score_precision": "diffusers --model",
 }  # fmt: skip
 

@@ -755,6 +755,52 @@ def test_joint_normalisation_trains_and_its_first_update_is_sums(tmp_path, capsy
     assert moved.value.code == 2 and "--normalize" in capsys.readouterr().err
 
 
+def test_the_default_is_unit_joint_and_flat_is_the_unit_free_sum(tmp_path, capsys):
+    """DESIGN §3: the default run trains on unit-joint's r; --weighting flat (the same r, W = λ/T)
+    is the summed reward of the unit-free scores, its first epoch's rollout, rewards and loss
+    --weighting sum --normalize unit-joint's to float rounding; --weighting gdpo trains its one
+    advantage, and refuses --normalize (exit 2, nothing written)."""
+    from plumbing.checkpoints import read_metrics
+
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY, "--epochs", "1", "--eval-every", "1"]
+    main_here(*flags, "--out", tmp_path / "default")
+    main_here(*flags, "--weighting", "sum", "--normalize", "unit-joint", "--out", tmp_path / "sum")
+    main_here(*flags, "--weighting", "flat", "--out", tmp_path / "flat")
+    main_here(*flags, "--weighting", "gdpo", "--out", tmp_path / "gdpo")
+    saved = {n: json.loads((tmp_path / n / "args.json").read_text()) for n in
+             ("default", "flat", "gdpo")}  # fmt: skip
+    default = saved["default"]
+    assert (default["weighting"], default["normalize"]) == ("recast", "unit-joint")
+    assert (saved["flat"]["normalize"], saved["flat"]["gain_shift"]) == ("unit-joint", 0)
+    a, b, g = (read_metrics(str(tmp_path / n))[1] for n in ("sum", "flat", "gdpo"))
+    rewards_of = lambda m: {k: v for k, v in m.items() if k.startswith("reward/")}  # noqa: E731
+    assert rewards_of(a) == rewards_of(b) == rewards_of(g)  # the same rollout
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert "groups/scored" not in b and "groups/scored" not in g  # no step prediction scored
+    assert math.isfinite(g["loss"]) and g["loss"] != pytest.approx(a["loss"], rel=1e-3)
+    assert 0 < g["adv/max/gdpo"] <= 5.0 and "adv/max/position" not in g
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main_here(*flags, "--weighting", "gdpo", "--normalize", "joint", "--out", tmp_path / "x")
+    assert e.value.code == 2 and "--normalize" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_run_made_under_joint_resumes_under_joint(tmp_path):
+    """A run folder written while joint was the default (its args.json says joint) resumes
+    with joint, not today's default, when --normalize is not given."""
+    out = tmp_path / "old"
+    flags = ["--lambda", "0.4,0.2,0.2,0.2", *TINY, "--eval-every", "1"]
+    main_here(*flags, "--epochs", "1", "--normalize", "joint", "--out", out)
+    args = json.loads((out / "args.json").read_text())
+    assert args["normalize"] == "joint"
+    main_here("--epochs", "2", "--resume", "--out", out)
+    assert json.loads((out / "args.json").read_text())["normalize"] == "joint"
+    lines = metrics_of(out)
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
+    assert lines[2]["share/position"] > 0.6  # joint's raw scales, not unit-joint's λ (0.4)
+
+
 def test_unit_joint_trains_the_same_in_any_units_and_joint_does_not(tmp_path):
     """A whole epoch with the rewards written in other units (--reward-scale): under unit-joint
     the loss, the gains, W and each reward's share of the signal are the native units' to float
@@ -1057,14 +1103,20 @@ def test_profile_reports_gains_and_w_without_training(tmp_path, monkeypatch, cap
     p = check_profile(out, list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2], 10, 16)
     assert p["source"] == "the base model"
     assert all(sd > 0 for sd in p["bootstrap"]["centroids"])  # 4 groups: a visible spread
-    # each reward's share of the signal beside λ: under joint, position's pixels take most of it
-    assert p["normalize"] == "joint" and sum(p["share"]) == pytest.approx(1.0)
-    assert p["share"][0] > 2 * 0.4 / 1.5 and "warning: the share of position" in said
-    recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "4", "--group-size",
-                 "4", "--normalize", "per-reward", "--out", str(tmp_path / "pr")])  # fmt: skip
-    said = capsys.readouterr().out
-    share = json.loads((tmp_path / "pr" / "profile.json").read_text())["share"]
-    assert share == pytest.approx([0.4, 0.2, 0.2, 0.2], abs=5e-3) and "warning" not in said
+    # each reward's share of the signal beside λ: under unit-joint (the default) about λ
+    assert p["normalize"] == "unit-joint" and sum(p["share"]) == pytest.approx(1.0)
+    assert p["share"] == pytest.approx([0.4, 0.2, 0.2, 0.2], abs=0.05)
+    assert "warning: the share" not in said
+    for normalize, want in (("per-reward", [0.4, 0.2, 0.2, 0.2]), ("joint", None)):
+        recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--prompts", "4",
+                     "--group-size", "4", "--normalize", normalize,
+                     "--out", str(tmp_path / normalize)])  # fmt: skip
+        said = capsys.readouterr().out
+        share = json.loads((tmp_path / normalize / "profile.json").read_text())["share"]
+        if want:
+            assert share == pytest.approx(want, abs=5e-3) and "warning" not in said
+        else:  # under joint, position's pixels take most of it
+            assert share[0] > 2 * 0.4 / 1.5 and "warning: the share of position" in said
     with pytest.raises(SystemExit) as e:  # the folder exists now: as for training, exit 2
         recast.main(["--lambda", "0.4,0.2,0.2,0.2", "--profile", "--out", str(out)])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
@@ -1452,15 +1504,22 @@ def test_nonfinite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monke
 
 def test_every_run_says_once_when_a_share_of_the_signal_is_far_from_lambda(tmp_path, capsys):
     """Under joint, position's raw spread takes most of the signal: the run says so once, beside
-    λ; under unit-joint each reward gets about its λ, and nothing is said."""
-    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--out", tmp_path / "joint")
+    λ. Under unit-joint, the default, each reward's unit-free spread pooled over the batch is 1,
+    so its share is about its λ, in any units (here each reward also ×1000, ×0.001, ×1, ×10):
+    nothing is said, and every epoch's share is within a quarter of λ."""
+    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--normalize", "joint",
+              "--out", tmp_path / "joint")  # fmt: skip
     said = capsys.readouterr().out
     assert said.count("warning: the share of position") == 1 and "(said once a run)" in said
     assert "each reward's share of the signal (λ): position 0." in said and "(0.40)" in said
     assert metrics_of(tmp_path / "joint")[1]["share/position"] > 0.8
-    main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, "--normalize", "unit-joint",
-              "--out", tmp_path / "unit")  # fmt: skip
-    assert "warning: the share" not in capsys.readouterr().out
+    lam = {"position": 0.4, "color": 0.2, "sharpness": 0.2, "background": 0.2}
+    for name, units in (("unit", []), ("moved", ["--reward-scale", "1000,0.001,1,10"])):
+        main_here("--lambda", "0.4,0.2,0.2,0.2", *TINY, *units, "--out", tmp_path / name)
+        assert "warning: the share" not in capsys.readouterr().out
+        for m in metrics_of(tmp_path / name)[1:]:
+            for n, b in lam.items():
+                assert abs(m[f"share/{n}"] - b) < b / 4, (name, n, m[f"share/{n}"])
 
 
 @pytest.mark.parametrize("normalize", ["joint", "per-reward", "batch", "unit-joint"])
@@ -2267,11 +2326,14 @@ def test_torchrun_two_ranks_stay_identical_and_match_one_process(random_toy_mode
 
 
 @pytest.mark.slow
-def test_batch_normalisation_is_the_same_on_one_and_two_ranks(random_toy_model, tmp_path):
-    """--normalize batch pools each reward's spread over every rank's groups (the final scores
-    are gathered first): one epoch on 2 ranks gives 1 process's W, shares, |A| and loss, within
-    the torchrun test's tolerances (float summation order)."""
-    flags = ["--model", random_toy_model, *TOY, "--epochs", "1", "--normalize", "batch"]
+@pytest.mark.parametrize("rule", [[], ["--normalize", "batch"], ["--weighting", "gdpo"]],
+                         ids=["unit-joint", "batch", "gdpo"])  # fmt: skip
+def test_batch_pooled_rules_are_the_same_on_one_and_two_ranks(random_toy_model, tmp_path, rule):
+    """unit-joint (the default) and batch pool each reward's spread over every rank's groups, and
+    gdpo whitens over them (the final scores are gathered first): one epoch on 2 ranks gives 1
+    process's W, shares, |A| and loss, within the torchrun test's tolerances (float summation
+    order), with 3 prompt groups split unevenly over the ranks (2 and 1)."""
+    flags = ["--model", random_toy_model, *TOY, "--epochs", "1", "--prompts", "3", *rule]
     two = recast_run(tmp_path / "two", *flags, ranks=2)
     one = recast_run(tmp_path / "one", *flags)
     a, b = two[1], one[1]

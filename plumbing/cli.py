@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Literal, NoReturn, get_args, get_origin
 if TYPE_CHECKING:  # torch is imported where it is used: --help must not wait for it
     import torch
 
+# The --weighting choices with W = λ/T: no gains, so no step prediction is scored
+NO_GAINS = ("flat", "uniform", "sum", "gdpo")
+
 
 def fail(flag: str, message: str, prog: str = "recast.py") -> NoReturn:
     """Exit 2 with one line naming the flag and the fix (every script of the project)."""
@@ -250,10 +253,10 @@ def check(args, world_size: int, resumable: set[str], before: dict | None = None
     if args.score_size < 0:
         fail("--score-size", f"must be ≥ 0 (0: off; PX: step predictions scored at ≤ PX px), "
              f"got {args.score_size}")  # fmt: skip
-    if args.score_size and args.weighting in ("uniform", "sum"):
+    if args.score_size and args.weighting in NO_GAINS:
         fail("--score-size", f"means nothing with --weighting {args.weighting} (no step "
              "prediction is scored); drop it or use --weighting recast")  # fmt: skip
-    if args.gain_shift and args.weighting in ("uniform", "sum"):
+    if args.gain_shift and args.weighting in NO_GAINS:
         fail("--gain-shift", f"means nothing with --weighting {args.weighting} (no gains in W); "
              "drop it or use --weighting recast")  # fmt: skip
     if args.epochs < 0:

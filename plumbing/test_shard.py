@@ -133,6 +133,29 @@ def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
 
 
 @pytest.mark.slow
+def test_unit_joints_pooled_spread_is_the_same_on_one_process_ddp_and_shard(models, tmp_path):
+    """unit-joint, the default, divides each reward by its spread pooled over every rank's groups:
+    with 3 prompt groups split unevenly over 2 ranks (2 and 1), the first epoch's W, shares, |A|
+    and loss under DDP and under --shard are one process's, within a_sharded_run_equals_ddp's
+    tolerances (1e-4 relative, 1e-3 for the spread-divided adv/ and share/)."""
+    flags = flags_of(models, "sd3", "--epochs", "1", "--prompts", "3", "--gain-frac", "1")
+    one = subprocess.run([sys.executable, RECAST, *flags, "--out", str(tmp_path / "one")],
+                         cwd=HERE, env=models["env"], capture_output=True, text=True,
+                         timeout=900)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    run2(models, tmp_path / "ddp", *flags)
+    run2(models, tmp_path / "shard", *flags, "--shard")
+    want = numbers(metrics_of(tmp_path / "one")[1])
+    assert json.loads((tmp_path / "one" / "args.json").read_text())["normalize"] == "unit-joint"
+    for mode in ("ddp", "shard"):
+        got = numbers(metrics_of(tmp_path / mode)[1])
+        for k in [k for k in want if k.startswith(("W", "share/", "adv/", "reward/"))] + ["loss"]:
+            tol = 1e-3 if k.startswith(("adv/", "share/")) else 1e-4
+            a, b = torch.tensor(got[k], dtype=torch.float64), torch.tensor(want[k])
+            assert torch.allclose(a, b.double(), rtol=tol, atol=1e-6), (mode, k, got[k], want[k])
+
+
+@pytest.mark.slow
 def test_sharded_resume_is_exact_and_sigterm_stops_every_rank(models, tmp_path):
     """One epoch, then --resume to two, equals two epochs without a stop, bit for bit (weights,
     optimizer state, metrics); the checkpoint holds the whole state, so the run resumes on 1

@@ -154,6 +154,19 @@ for _k in (5, 6):
     for _a, _flags in UNIT_ARMS.items():
         ARMS[f"t{_k}-{_a}"] = [*_rewards, *_flags]
         ARMS[f"t{_k}x-{_a}"] = [*_rewards, *_flags, "--reward-scale", UNITS[_k]]
+# The default run (#69): setting 1's default command, ReCAST at today's defaults (unit-joint
+# since #69), and beside it every baseline, each differing from it in one flag and named by what
+# it removes or by the rule users run; one budget, 10 seeds, the default's own judges. Every arm
+# is paired with the default (its first).
+DEFAULT_RUN = {
+    "def-recast": [],  # python recast.py --lambda 0.4,0.2,0.2,0.2: the default
+    "def-flat": ["--weighting", "flat"],  # the same r, W = λ/T: ReCAST without its timing
+    "def-gdpo": ["--weighting", "gdpo"],  # Flow-Factory's default aggregation
+    "def-uniform": ["--weighting", "uniform"],  # per-reward r, W = λ/T (GDPO unwhitened)
+    "def-sum": ["--weighting", "sum"],  # DiffusionNFT's and flow_grpo's raw Σ λ_k s_k
+    "def-joint": ["--normalize", "joint"],  # the previous default: λ weighs raw units
+}
+ARMS.update(DEFAULT_RUN)
 # Every run's CPU kernels: one thread, and ATen, MKL and oneDNN held to their AVX2 code on every
 # x86 machine, so that a run repeats to the bit on another machine with the same packages (their
 # own choice by processor moved results at float rounding between sittings: docs/results.md).
@@ -271,9 +284,15 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "seeds": 3,
             "base": lambda a: a.split("-", 1)[0] + "-uniform",  # uniform in the arm's own units
             "sections": [lambda r: units_lines(r)],
-            "closing": [lambda r: units_ship_lines(r)],
+            "closing": [lambda r: units_ship_lines(r), lambda r: default_change_lines(r)],
         }
         for k in (5, 6)
+    },
+    "default": {  # the default run and its baselines (#69), every arm against the default
+        "arms": list(DEFAULT_RUN),
+        "pairs": [],
+        "budgets": ["0.4,0.2,0.2,0.2"],
+        "seeds": 10,
     },
 }
 # The test's prediction (docs/results.md): W's L1 distance from λ/T on the base model, per budget
@@ -363,6 +382,8 @@ def flags_for(code: str, arm: str) -> list[str]:
     from a recast.py that has the flag (joint became the default by the test's shipping rule,
     docs/results.md); a recast.py from before the flag runs the arm as it was."""
     flags = ARMS[arm]
+    if arm in DEFAULT_RUN:  # defined at today's defaults: run as written
+        return flags
     weighting = flags[flags.index("--weighting") + 1]
     if "--normalize" in flags or weighting not in ("recast", "reversed"):
         return flags
@@ -1003,6 +1024,24 @@ def units_ship_lines(r: Report) -> list[str]:
     return out
 
 
+def default_change_lines(r: Report) -> list[str]:
+    """What made unit-joint the default (#69): in each unit system of the setting, unit-joint
+    against joint, paired by seed per budget (against_better with joint alone as B): wins, ties
+    and losses over the budgets and the mean difference."""
+    k = r.args.study.removeprefix("setting")
+    out = ["", "unit-joint against joint, the default before it (added after the units test; "
+           "it made unit-joint the default: DESIGN §3), final λ-weighted gap paired by seed:",
+           ""]  # fmt: skip
+    for u, units in (("", "native units"), ("x", "changed units")):
+        a = against_better(r.args, r.args.study, f"t{k}{u}-", "unitjoint", ("joint",))
+        words = [v for *_, v in a["cells"]]
+        counts = " / ".join(str(words.count(w)) for w in ("win", "tie", "loss"))
+        mean = statistics.fmean(d for _, _, d, _, _ in a["cells"]) if a["cells"] else math.nan
+        out.append(f"- setting {k}, {units}: wins / ties / losses {counts}, mean difference "
+                   f"{mean:+.3f}")  # fmt: skip
+    return out
+
+
 def ship_lines(r: Report) -> list[str]:
     """The test's shipping rule (docs/results.md, written before its runs): the candidate
     (`-joint`) becomes the default only if, in both settings 3 and 4, it loses in no budget to
@@ -1316,7 +1355,8 @@ if __name__ == "__main__":
                          "(fewer step predictions scored), setting1 and setting2 (the settings "
                          "comparison), dev1 and dev2 (joint normalisation's development), "
                          "setting3 and setting4 (the test), setting5 and setting6 (the units "
-                         "test); docs/results.md has each protocol")  # fmt: skip
+                         "test), default (the default run and its baselines, 10 seeds); "
+                         "docs/results.md has each protocol")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(ROOT, "sweeps", "comparison"))
     ap.add_argument("--archive", default=ARCHIVE, help="the finished runs' records (see above)")
     ap.add_argument("--code", default=ROOT,
