@@ -327,13 +327,15 @@ def plan(seeds: int, arms: list[str], budgets: list[str] = BUDGETS) -> list[tupl
 
 
 def compact(lines: list[dict]) -> list[dict]:
-    """What the report reads of a run's metrics.jsonl: per epoch its time (the sum of time/*) and
-    W, and at each eval the held-out scores and gaps. (Runs archived before the scoring study
-    kept W at their last eval only.)"""
+    """What the report and summarize.py read of a run's metrics.jsonl: per epoch its time (the
+    sum of time/*, and each phase's) and W, at each eval the held-out scores and gaps, and the
+    ideal rendering's scores (epoch 0). (Runs archived before the scoring study kept W at their
+    last eval only; before the default run's study, neither the phases nor the ideal.)"""
     out = []
     for m in lines:
         c = {"epoch": m["epoch"], "time": sum(v for k, v in m.items() if k.startswith("time/"))}
-        c.update({k: v for k, v in m.items() if k.startswith(("eval/", "gap/", "W"))})
+        c.update({k: v for k, v in m.items()
+                  if k.startswith(("eval/", "gap/", "W", "ideal/", "time/"))})  # fmt: skip
         out.append(c)
     return out
 
@@ -342,8 +344,12 @@ def record(path: str) -> list[dict]:
     """A finished run folder's compact lines; where it kept its final eval images, their
     pairwise-judge distances (1 − SSIM to the ideal rendering, studies/judge.py) ride on the
     last line as judge/distance, so preferences can be recomputed without the images; its
-    environment.json (packages, CPU, kernel dispatch) rides there too, as env."""
+    environment.json (packages, CPU, kernel dispatch) rides there too, as env, and its
+    args.json on the first line, as args (for summarize.py --archive)."""
     lines = compact(read_metrics(path))
+    if os.path.isfile(os.path.join(path, "args.json")):
+        with open(os.path.join(path, "args.json")) as f:
+            lines[0]["args"] = json.load(f)
     if os.path.isdir(os.path.join(path, eval_images.FOLDER)):
         index, images = eval_images.load(path)
         distance = toy_distances(images, index["prompts"])

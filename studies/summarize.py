@@ -12,6 +12,12 @@ method), it prints the two paired by seed instead: per reward, judge and the λ-
 mean ± std of (first − second) over the seeds and the seeds in which the first is higher:
 
 python studies/summarize.py runs/perreward-s{0..9} --against runs/default-s{0..9}
+
+With `--archive FILE` first, a RUN that is not a folder is read from studies/comparison.py's
+archive of finished runs (docs/comparison/runs.jsonl: each run's args, evals, W and times), by
+its name there, so the default run's table is rebuilt without its folders:
+
+python studies/summarize.py --archive docs/comparison/runs.jsonl 0.4_0.2_0.2_0.2-def-recast-s{0..9}
 """
 
 import json
@@ -64,9 +70,25 @@ def fmt(xs: list[float]) -> str:
     return "{:+.3f} ± {:.3f}".format(*mean_std(xs))
 
 
+ARCHIVE: dict[str, list[dict]] = {}  # --archive: run name → its archived lines (comparison.py)
+
+
+def archived(run: str) -> list[dict] | None:
+    """The archived lines of `run` when it is no folder and the --archive holds it by name."""
+    return None if os.path.isdir(run) else ARCHIVE.get(run)
+
+
 def read_args(run: str) -> dict:
+    if (lines := archived(run)) is not None:
+        return lines[0]["args"]
     with open(os.path.join(run, "args.json")) as f:
         return json.load(f)
+
+
+def read_lines(run: str) -> list[dict]:
+    """A run's metrics lines: its folder's metrics.jsonl, or its archived record."""
+    lines = archived(run)
+    return read_metrics(run) if lines is None else lines
 
 
 # Flags that change where memory goes, not what is computed: seeds run with and without them are
@@ -124,10 +146,14 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
         cli.fail("RUN", "give one or more run folders (recast.py's --out)", "summarize.py")
     lines = []
     for run in runs:
-        if not os.path.isfile(os.path.join(run, "args.json")):
-            cli.fail("RUN", f"{run} is not a run folder (no args.json): give recast.py's --out",
-                     "summarize.py")  # fmt: skip
-        lines.append(read_metrics(run))
+        if archived(run) is not None and "args" not in archived(run)[0]:
+            cli.fail("RUN", f"{run} was archived without its args.json (before the default "
+                     "run's study): summarize its folder", "summarize.py")  # fmt: skip
+        if archived(run) is None and not os.path.isfile(os.path.join(run, "args.json")):
+            more = " nor a run of --archive" if ARCHIVE else ""
+            cli.fail("RUN", f"{run} is not a run folder (no args.json){more}: give recast.py's "
+                     "--out", "summarize.py")  # fmt: skip
+        lines.append(read_lines(run))
         if not any("gap/weighted" in m for m in lines[-1][1:]):
             cli.fail("RUN", f"{run} has no eval after training yet (no gap/weighted in its "
                      "metrics.jsonl): summarize it once it has passed its first --eval-every "
@@ -255,4 +281,13 @@ def main(runs: list[str]) -> None:
 if __name__ == "__main__":
     if {"-h", "--help"} & set(sys.argv[1:]):
         sys.exit(print(__doc__))
-    main(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv[:1] == ["--archive"]:
+        if len(argv) < 2 or not os.path.isfile(argv[1]):
+            cli.fail("--archive", f"needs comparison.py's archive file, e.g. "
+                     f"docs/comparison/runs.jsonl; got {argv[1:2] or 'nothing'}",
+                     "summarize.py")  # fmt: skip
+        with open(argv[1]) as f:
+            ARCHIVE.update((r["run"], r["lines"]) for r in map(json.loads, f))
+        argv = argv[2:]
+    main(argv)

@@ -248,3 +248,31 @@ def test_against_pairs_two_configurations_by_seed(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("summarize.py: error: --against: ")
         assert "pair the same rewards, judges and seeds" in err
+
+
+def test_archived_runs_summarize_as_their_folders(tmp_path, capsys, monkeypatch):
+    """--archive: runs read from comparison.py's archive (its record of a folder: args, evals,
+    ideal, W, times) print the folders' tables, alone and paired with --against; a run archived
+    without its args exits 2 naming it."""
+    from studies import comparison
+
+    finals = [{"position": 0.5, "background": 0.1, "iou": 0.2},
+              {"position": 0.4, "background": 0.05, "iou": 0.3}]  # fmt: skip
+    runs = [fake_run(tmp_path / f"r{s}", s, f) for s, f in enumerate(finals)]
+    other = [fake_run(tmp_path / f"o{s}", s, {**f, "position": 0.1}) for s, f in enumerate(finals)]
+    summarize.main(runs)
+    summarize.main([*runs, "--against", *other])
+    want = capsys.readouterr().out
+    monkeypatch.setattr(summarize, "ARCHIVE", {os.path.basename(r): comparison.record(r)
+                                               for r in runs + other})  # fmt: skip
+    monkeypatch.chdir(tmp_path / "..")  # the names are no folders here
+    names = [os.path.basename(r) for r in runs]
+    summarize.main(names)
+    summarize.main([*names, "--against", *(os.path.basename(r) for r in other)])
+    got = capsys.readouterr().out
+    assert got.replace("r0", "X").replace("r1", "X").replace("o0", "X") == want.replace(
+        runs[0], "X").replace(runs[1], "X").replace(other[0], "X")  # fmt: skip
+    del summarize.ARCHIVE["r0"][0]["args"]
+    with pytest.raises(SystemExit) as e:
+        summarize.main(names)
+    assert e.value.code == 2 and "r0" in capsys.readouterr().err
