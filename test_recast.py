@@ -1891,14 +1891,48 @@ def run(*command, env=None):
     return subprocess.run(command, check=True, capture_output=True, text=True, cwd=HERE, env=env)
 
 
+def torchrun_args(out, *args: str) -> list[str]:
+    """`-m torch.distributed.run ARGS` (launch flags, the script, its flags) for a multi-rank
+    test, keeping every rank's whole stdout and stderr in files under rank_logs(out) (torchrun's
+    --log-dir with --redirects 3; --tee 3 echoes them, each line prefixed by its rank, on the
+    launcher's own streams, which the tests read). The workers run unbuffered
+    (PYTHONUNBUFFERED=1 in the tests' environments), so a rank killed keeps what it printed."""
+    return ["-m", "torch.distributed.run", f"--log-dir={rank_logs(out)}", "--redirects=3",
+            "--tee=3", *args]  # fmt: skip
+
+
+def rank_logs(out) -> Path:
+    """Where a multi-rank run's ranks' logs are kept: beside its run folder `out`, in the test's
+    own folder (torchrun makes one folder a launch, so a resume or a second node adds its own)."""
+    return Path(f"{out}-ranks")
+
+
+def ranks_said(out, tail: int = 4000) -> str:
+    """A multi-rank test's failure message: every rank's log file, named (they hold everything),
+    and the end of each rank's stderr."""
+    files = sorted(rank_logs(out).rglob("*.log"))
+    if not files:
+        return f"no rank's log under {rank_logs(out)}"
+    said = ["every rank's whole output: " + ", ".join(map(str, files))]
+    for f in (f for f in files if f.name.startswith("stderr")):
+        said.append(f"--- {f}, its last {tail} characters:\n"
+                    + f.read_text(errors="replace")[-tail:])  # fmt: skip
+    return "\n".join(said)
+
+
 def recast_run(out, *flags, ranks: int = 1, env=None) -> list[dict]:
-    """recast.py in one process, or under torchrun on `ranks` CPU processes (gloo); metrics."""
+    """recast.py in one process, or under torchrun on `ranks` CPU processes (gloo), each rank's
+    output kept (torchrun_args); metrics."""
     script = os.path.join(HERE, "recast.py")
     if ranks == 1:
         run(sys.executable, script, *flags, "--out", str(out), env=env)
     else:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        run(*torchrun, f"--nproc_per_node={ranks}", script, *flags, "--out", str(out), env=env)
+        command = [sys.executable, *torchrun_args(out, "--standalone",
+                                                  f"--nproc_per_node={ranks}", script, *flags,
+                                                  "--out", str(out))]  # fmt: skip
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        done = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=environ)
+        assert done.returncode == 0, ranks_said(out)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -2401,8 +2435,10 @@ def test_torchrun_profile_matches_one_process(random_toy_model, tmp_path):
     script = os.path.join(HERE, "recast.py")
     flags = ["--model", random_toy_model, "--lambda", "0.4,0.2,0.2,0.2", "--prompts", "4",
              "--group-size", "4", "--batch-size", "32", "--device", "cpu", "--profile"]  # fmt: skip
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run(*torchrun, script, *flags, "--out", str(tmp_path / "two"))
+    two = tmp_path / "two"
+    launch = torchrun_args(two, "--standalone", "--nproc_per_node=2", script, *flags, "--out",
+                           str(two))  # fmt: skip
+    run(sys.executable, *launch, env={"PYTHONUNBUFFERED": "1"})
     run(sys.executable, script, *flags, "--out", str(tmp_path / "one"))
     names, lam = list(tw.ToyWorld.reward_names), [0.4, 0.2, 0.2, 0.2]
     two = check_profile(tmp_path / "two", names, lam, 10, 16)

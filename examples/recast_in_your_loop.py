@@ -3,8 +3,9 @@
     python examples/recast_in_your_loop.py      # CPU or one GPU, no network
 
 What a trainer adds (docs/use_in_your_trainer.md): keep the step predictions x̂0 of the rollout,
-score every reward on them, renyi_gains → gains, recast_weights → W, joint_optimality → r per
-reward, and pass (t_index, r, W) to nft_loss where a single-advantage loop passes one r per image.
+score every reward on them, renyi_gains → gains, recast_weights → W, unit_joint_optimality → r
+per reward, and pass (t_index, r, W) to nft_loss where a single-advantage loop passes one r per
+image.
 """
 
 import os
@@ -21,7 +22,7 @@ if __name__ == "__main__" and DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rewards  # noqa: E402
-from recast import joint_optimality, recast_weights  # noqa: E402
+from recast import pooled_spread, recast_weights, unit_free, unit_joint_optimality  # noqa: E402
 from recast_kernels.nft_loss import nft_loss  # noqa: E402
 from recast_kernels.renyi import renyi_gains  # noqa: E402
 from worlds import toyworld  # noqa: E402
@@ -60,13 +61,17 @@ def main(n_prompts=4, G=4, T=6, lam=(0.4, 0.2, 0.2, 0.2), beta=0.1, seed=0) -> d
     scores = torch.stack([*steps, final], 1)  # (K, T+1, N)
 
     # 3. Gains per (reward, step), the weight matrix W, and the optimality r per reward.
-    D, gains = renyi_gains(scores, G)  # (K, T+1), (K, T) fp32
+    # the gains read every score over its reward's within-group spread pooled over the batch
+    # (as unit-joint's r does): in no units, so the same in any (recast.gain_scores)
+    D, gains = renyi_gains(unit_free(scores, pooled_spread(final, G)), G)  # (K, T+1), (K, T)
     W = recast_weights(gains, lam, shift=1).to(DEVICE)  # (K, T) fp32: rows λ, columns 1/T;
     # shift=1: gain g_i-1 credited to timestep i, recast.py's default (DESIGN §4)
-    # --normalize joint, recast.py's default (DESIGN §3): each reward's centred score over the
-    # group spread of the λ-weighted sum, so W = λ/T would be the summed reward; nft_loss clamps
-    # the mix to [0, 1]. group_optimality(final, G) is --normalize per-reward.
-    r = joint_optimality(final, lam / lam.sum(), G)  # (K, N) fp32
+    # --normalize unit-joint, recast.py's default (DESIGN §3): each reward divided by its
+    # within-group spread pooled over the batch (every rank's groups: gather `final` first under
+    # DDP), then each centred score over the group spread of the λ-weighted sum, so λ weighs
+    # rewards in no units and W = λ/T would be the summed reward of those unit-free scores;
+    # nft_loss clamps the mix to [0, 1]. group_optimality(final, G) is --normalize per-reward.
+    r = unit_joint_optimality(final, lam / lam.sum(), G)  # (K, N) fp32
 
     # 4. NFT update on a random half of the N·T (image, timestep) pairs, one optimizer step.
     pairs = torch.randperm(len(x0) * T, generator=gen)[: len(x0) * T // 2]

@@ -87,8 +87,8 @@ def test_the_trainer_guide_blocks_run_as_written():
 
 # What docs/use_in_your_trainer.md §4 tells a trainer to copy from recast.py, besides the kernels.
 COPIED_FROM_RECAST = (
-    "group_centred", "group_optimality", "joint_optimality", "shift_gains", "gain_profiles",
-    "recast_weights",
+    "group_centred", "group_optimality", "joint_optimality", "pooled_spread", "unit_free",
+    "unit_joint_optimality", "shift_gains", "gain_profiles", "recast_weights",
 )  # fmt: skip
 
 
@@ -108,6 +108,7 @@ def test_the_functions_a_trainer_copies_need_only_torch_and_math():
     for name, args in (
         ("group_optimality", (final, 4)),
         ("joint_optimality", (final, lam, 4)),
+        ("unit_joint_optimality", (final, lam, 4)),
         ("recast_weights", (gains, lam, 1.0, 0.1, 1)),
     ):
         assert torch.equal(ns[name](*args), getattr(recast, name)(*args)), name

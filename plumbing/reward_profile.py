@@ -151,6 +151,6 @@ def evidence(l1: float) -> str:
         + " Over the 10 test cells alone (settings 3 and 4) it ordered nothing ("
         + ", ".join(f"ρ {TEST_CELLS_RHO[b]:+.2f} over {WHOM[b]}" for b in PREDICTION)
         + "): the line leans on the two settings where ReCAST was developed."
-        + " The default --normalize joint was not part of that test. Toy rewards: a guide, not "
-        "a guarantee."
+        + " It predicts for per-reward ReCAST only: neither --normalize joint nor unit-joint, "
+        "the default, was part of that test. Toy rewards: a guide, not a guarantee."
     )

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from plumbing import checkpoints, rundir
-from test_recast import HERE, TINY, metrics_of, run_recast
+from test_recast import HERE, TINY, metrics_of, ranks_said, run_recast, torchrun_args
 
 RECAST = os.path.join(HERE, "recast.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # 3 epochs of the tiny toy run, evaluated every epoch: a run stopped early evaluates its last epoch,
 # so the uninterrupted run must too for the two metrics.jsonl to be compared line by line
 FLAGS = ["--lambda", "0.4,0.2,0.2,0.2", *TINY[2:], "--epochs", "3", "--eval-every", "1"]
@@ -847,7 +847,7 @@ def torchrun(out, *flags, node: int | None = None, port: int = 0, launcher=()) -
     else:
         launch = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=0", "--rdzv-id=faults",
                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]  # fmt: skip
-    return ["-m", "torch.distributed.run", *launch, *launcher, RECAST, *flags, "--out", str(out)]
+    return torchrun_args(out, *launch, *launcher, RECAST, *flags, "--out", str(out))
 
 
 def workers(launcher: int) -> dict[int, int]:
@@ -898,7 +898,7 @@ def whole_2ranks(tmp_path_factory) -> list[dict]:
 def resume_2ranks(out) -> None:
     done = subprocess.run([sys.executable, *torchrun(out, "--resume")], cwd=HERE, env=ENV,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(out)
 
 
 @pytest.mark.slow
@@ -915,10 +915,10 @@ def test_torchrun_sigterm_stops_every_rank_after_the_same_epoch_and_resume_match
     os.kill(proc.pid if target == "launcher" else workers(proc.pid)[1], signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     done = metrics_of(out)[-1]["epoch"]
-    assert proc.returncode != 0 and "lost contact" not in stderr, stderr[-3000:]
+    assert proc.returncode != 0 and "lost contact" not in stderr, ranks_said(out)
     assert f"stopped after epoch {done}; continue: torchrun --standalone --nproc-per-node=2 " \
            f"recast.py --out {out} --resume" in stdout  # fmt: skip
-    assert set(re.findall(r"exitcode\s*: (-?\d+)", stderr)) <= {"143"}, stderr[-3000:]
+    assert set(re.findall(r"exitcode\s*: (-?\d+)", stderr)) <= {"143"}, ranks_said(out)
     assert sorted(os.listdir(out / "ckpt"))[-1] == f"epoch_{done:04d}" and done < 3
     resume_2ranks(out)
     assert_matches(metrics_of(out), whole_2ranks)
@@ -995,11 +995,11 @@ def test_torchrun_a_lost_node_stops_the_other_within_60s_and_resume_matches(
     assert nodes[1 - lost].returncode != 0 and time.monotonic() - tic < 60
     said = f"lost contact: rank {rank} stopped answering" if lost == 1 else (
         "lost contact: the rendezvous store does not answer either")  # fmt: skip
-    assert said in stderr and f"recast.py --out {out} --resume" in stderr, stderr[-3000:]
+    assert said in stderr and f"recast.py --out {out} --resume" in stderr, ranks_said(out)
     resumed = two_nodes("--resume")
     for node in resumed:
-        _, err = node.communicate(timeout=600)
-        assert node.returncode == 0, err[-3000:]
+        node.communicate(timeout=600)
+        assert node.returncode == 0, ranks_said(out)
     assert_matches(metrics_of(out), whole_2ranks)
 
 
@@ -1018,8 +1018,9 @@ def torchrun_patched(tmp_path, cwd, patch: str, *flags, env=None) -> subprocess.
     `cwd`."""
     script = tmp_path / "wrapped.py"
     script.write_text(WRAPPED.format(here=HERE, patch=patch, recast=RECAST))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(script), *flags], cwd=cwd, env=env or ENV,
+    logged = torchrun_args(tmp_path / "run", "--standalone", "--nproc-per-node=2", str(script),
+                           *flags)  # each rank's output under tmp_path/run-ranks  # fmt: skip
+    return subprocess.run([sys.executable, *logged], cwd=cwd, env=env or ENV,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
 
 
@@ -1045,21 +1046,21 @@ def test_torchrun_a_run_folder_a_rank_does_not_see_exits_2_naming_it_and_the_ran
     flags = [*TORCH_FLAGS, "--epochs", "2", "--out", "run"]
     done = torchrun_patched(tmp_path, here, elsewhere, *flags, env=env)
     said = stopped_lines(done.stderr, "recast.py: error: --out: run is not one folder")
-    assert done.returncode != 0 and "rank 1 (" in said, done.stderr[-3000:]
+    assert done.returncode != 0 and "rank 1 (" in said, ranks_said(tmp_path / "run")
     assert not (here / "run").exists() and not (there / "run").exists()
 
     done = torchrun_patched(tmp_path, here, "", *flags, env=env)  # both ranks in node0
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(tmp_path / "run")
     before = files(here / "run")
     shutil.copytree(here / "run", there / "run")  # rank 1's node: a copy, not the folder
     resume = ["--out", "run", "--resume", "--epochs", "3"]
     done = torchrun_patched(tmp_path, here, elsewhere, *resume, env=env)
     said = stopped_lines(done.stderr, "recast.py: error: --out: run is not one folder")
-    assert done.returncode != 0 and "rank 1 (" in said, done.stderr[-3000:]
+    assert done.returncode != 0 and "rank 1 (" in said, ranks_said(tmp_path / "run")
 
     done = torchrun_patched(tmp_path, here, STALE_LISTING, *resume, env=env)
     said = stopped_lines(done.stderr, "recast.py: error: --resume: the ranks read different")
-    assert done.returncode != 0, done.stderr[-3000:]
+    assert done.returncode != 0, ranks_said(tmp_path / "run")
     assert "rank 0 (" in said and "read ckpt/epoch_0002; rank 1 (" in said, said
     assert "read ckpt/epoch_0001" in said
     assert files(here / "run") == before  # no token left; metrics.jsonl, args.json as they were
@@ -1083,10 +1084,12 @@ def test_torchrun_a_rank_slow_to_load_waits_the_start_up_timeout_not_the_loops(t
     env = {**ENV, "RECAST_COLLECTIVE_TIMEOUT": "6"}
     flags = [*TORCH_FLAGS, "--epochs", "1", "--out", str(tmp_path / "run")]
     done = torchrun_patched(tmp_path, HERE, slow, *flags, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(tmp_path / "run")
     assert [m["epoch"] for m in metrics_of(tmp_path / "run")] == [0, 1]
 
 
 def stopped_lines(stderr: str, prefix: str) -> str:
-    """The lines of stderr that start with `prefix` (one per rank that says it), joined."""
-    return "\n".join(line for line in stderr.splitlines() if line.startswith(prefix))
+    """The lines of stderr that start with `prefix` (one per rank that says it; torchrun's
+    `[default0]:` before a rank's line, torchrun_args' --tee, does not count), joined."""
+    lines = (re.sub(r"^\[\w+\]:", "", line) for line in stderr.splitlines())
+    return "\n".join(line for line in lines if line.startswith(prefix))

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 
 from benchmarks import modelzoo
 from plumbing.test_faults import hold_lock, start, stopped_message, wait_for_epochs, workers
-from test_recast import HERE, metrics_of
+from test_recast import HERE, metrics_of, ranks_said, torchrun_args
 
 RECAST = os.path.join(HERE, "recast.py")
 # DDP all-reduces each gradient whole; FSDP2 reduce-scatters it in shards and clips by a norm summed
@@ -62,7 +62,7 @@ def models(tmp_path_factory):
     torch.manual_seed(0)
     found = {v: modelzoo.tiny_family(v, root / v) for v in ("sd3", "flux-dev")}
     torch.manual_seed(1)
-    found["env"] = {**os.environ, "OMP_NUM_THREADS": "1",
+    found["env"] = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     **modelzoo.tiny_reward_models(root / "rewards")}  # fmt: skip
     colours, things = ("red", "green", "blue", "gold"), ("cat", "boat", "tree")
     (root / "prompts.txt").write_text("\n".join(f"a {c} {t}" for c in colours for t in things))
@@ -78,14 +78,15 @@ def flags_of(models, variant: str, *more: str) -> list[str]:
 
 
 def torchrun(out, *flags) -> list[str]:
-    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", RECAST, *flags,
-            "--out", str(out)]  # fmt: skip
+    """2 ranks of recast.py on this machine, each rank's output kept (rank_logs(out))."""
+    return torchrun_args(out, "--standalone", "--nproc-per-node=2", RECAST, *flags, "--out",
+                         str(out))  # fmt: skip
 
 
 def run2(models, out, *flags) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, *torchrun(out, *flags)], cwd=HERE, env=models["env"],
                           capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(out)
     return done
 
 
@@ -180,9 +181,11 @@ def test_sharded_resume_is_exact_and_sigterm_stops_every_rank(models, tmp_path):
 
     fewer = tmp_path / "fewer"  # the whole state is saved, so another number of ranks resumes
     shutil.copytree(whole, fewer)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc-per-node=1", RECAST, "--out", str(fewer), "--resume", "--epochs", "4"],
-                   cwd=HERE, env=models["env"], check=True, capture_output=True)  # fmt: skip
+    again = subprocess.run([sys.executable, *torchrun_args(fewer, "--standalone",
+                            "--nproc-per-node=1", RECAST, "--out", str(fewer), "--resume",
+                            "--epochs", "4")], cwd=HERE, env=models["env"],
+                           capture_output=True)  # fmt: skip
+    assert again.returncode == 0, ranks_said(fewer)
     assert [m["epoch"] for m in metrics_of(fewer)] == [0, 1, 2, 3, 4]
 
     held = hold_lock(part)  # a live run holds its folder: a second launch exits 2 at once
@@ -199,7 +202,7 @@ def test_sharded_resume_is_exact_and_sigterm_stops_every_rank(models, tmp_path):
     os.kill(proc.pid, signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     done = metrics_of(stopped)[-1]["epoch"]
-    assert proc.returncode != 0 and "lost contact" not in stderr, stderr[-3000:]
+    assert proc.returncode != 0 and "lost contact" not in stderr, ranks_said(stopped)
     assert f"stopped after epoch {done}; continue: torchrun" in stdout and done < 3
     assert sorted(os.listdir(stopped / "ckpt"))[-1] == f"epoch_{done:04d}"
     run2(models, stopped, "--resume", "--epochs", "3")  # resumed after the stop, to `whole`'s 3
@@ -362,15 +365,15 @@ def nodes(models, out, *flags, n: int = 2, per_node: int = 2) -> str:
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launch = lambda i: [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}",  # noqa: E731
-                        f"--nproc-per-node={per_node}", f"--node-rank={i}",
-                        "--master-addr=127.0.0.1", f"--master-port={port}", RECAST, *flags,
-                        "--out", str(out)]  # fmt: skip
+    node = [f"--nnodes={n}", f"--nproc-per-node={per_node}", "--master-addr=127.0.0.1",
+            f"--master-port={port}"]  # fmt: skip
+    run = [RECAST, *flags, "--out", str(out)]
+    launch = lambda i: [sys.executable, *torchrun_args(out, *node, f"--node-rank={i}", *run)]  # noqa: E731
     procs = [subprocess.Popen(launch(i), cwd=HERE, env=models["env"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(n)]  # fmt: skip
     said = [p.communicate(timeout=1200) for p in procs]
-    for p, (_, err) in zip(procs, said, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    for p in procs:
+        assert p.returncode == 0, ranks_said(out)
     return said[0][0]
 
 
@@ -388,11 +391,11 @@ def test_two_nodes_shard_within_each_node_and_equal_one_flat_mesh(models, tmp_pa
                      "--eval-prompts-file", str(held_out))  # fmt: skip
     said = nodes(models, tmp_path / "hsdp", *flags)
     assert "--shard on 2 nodes of 2 ranks" in said and "(HSDP)" in said
-    flat = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=4", RECAST, *flags, "--out", str(tmp_path / "flat")],
-                          cwd=HERE, env=models["env"], capture_output=True, text=True,
-                          timeout=1200)  # fmt: skip
-    assert flat.returncode == 0, flat.stderr[-3000:]
+    flat = subprocess.run([sys.executable, *torchrun_args(
+        tmp_path / "flat", "--standalone", "--nproc-per-node=4", RECAST, *flags, "--out",
+        str(tmp_path / "flat"))], cwd=HERE, env=models["env"], capture_output=True, text=True,
+        timeout=1200)  # fmt: skip
+    assert flat.returncode == 0, ranks_said(tmp_path / "flat")
     assert "HSDP" not in flat.stdout
     a_run, b_run = metrics_of(tmp_path / "hsdp"), metrics_of(tmp_path / "flat")
     assert [m["epoch"] for m in a_run] == [0, 1, 2] == [m["epoch"] for m in b_run]
@@ -417,11 +420,11 @@ def test_one_rank_shards_two_epochs(models, tmp_path):
     device = os.environ.get("RECAST_TEST_DEVICE", "cpu")
     out = tmp_path / "run"
     flags = [*flags_of(models, "sd3", "--shard", "--epochs", "2"), "--device", device]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=1", RECAST, *flags, "--out", str(out)], cwd=HERE,
+    done = subprocess.run([sys.executable, *torchrun_args(out, "--standalone",
+                           "--nproc-per-node=1", RECAST, *flags, "--out", str(out))], cwd=HERE,
                           env=models["env"], capture_output=True, text=True,
                           timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, ranks_said(out)
     assert [m["epoch"] for m in metrics_of(out)] == [0, 1, 2]
     state = lora(out, 2)
     assert state and all(v.dtype == torch.float32 for v in state.values())

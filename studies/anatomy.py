@@ -12,10 +12,10 @@ It calls the functions recast.py trains with, on the first epoch of the default 
    final ranking stays ≥ SETTLED from there on, mean over all groups);
 3. recast_kernels.renyi.renyi_gains, gain_profiles, recast_weights: D, gains, profiles, W and its
    marginals (DESIGN §4-5) → gains.png;
-4. recast.joint_optimality (recast.optimality, --normalize joint, the default): r per
+4. recast.unit_joint_optimality (recast.optimality, --normalize unit-joint, the default): r per
    reward and group (DESIGN §3), and the mixed optimality r̄ = Σ_k W_k,i r_k / Σ_k W_k,i, clamped
    to [0, 1], that the NFT loss trains each (image, timestep) pair toward (DESIGN §6), under
-   ReCAST's W and under uniform W = λ/T (with joint: the summed reward's) → mix.png.
+   ReCAST's W and under W = λ/T (the flat ablation: the unit-free summed reward's) → mix.png.
 """
 
 import argparse
@@ -64,11 +64,12 @@ def anatomy(args) -> None:
     per_image = [p for p in my_prompts for _ in range(G)]
     final = recast.score_all(run.reward_fns, run.world.decode(x0), per_image)  # (K, N)
     scores = recast.score_steps(run, preds, final, per_image)  # (K, T+1, N); column 0 unscored
-    D, gains = renyi_gains(scores, G, run.args.alpha, run.args.adv_clip_max)
+    unit_free = recast.gain_scores(run, scores, final)  # as recast.py's gains read them
+    D, gains = renyi_gains(unit_free, G, run.args.alpha, run.args.adv_clip_max)
     a = run.args  # recast.py's defaults: --tau, --floor and --gain-shift included
     profiles = gain_profiles(gains, a.floor, a.gain_shift)
     W = recast_weights(gains, lam, a.tau, a.floor, a.gain_shift).double()
-    r = recast.optimality(run, final).double()  # (K, N): --normalize joint, the default
+    r = recast.optimality(run, final).double()  # (K, N): --normalize unit-joint, the default
     K, N = final.shape
     groups = N // G
     # the group to show: the one whose rewards disagree most within it (largest summed spread of
@@ -138,9 +139,9 @@ def anatomy(args) -> None:
     plt.close(fig)
 
     # 4. mix.png: r per reward for the group, and r̄ per (image, timestep) under both W
-    uniform = lam[:, None].expand(K, T) / T
+    flat = lam[:, None].expand(K, T) / T  # --weighting flat: the same r, W = λ/T
     mix = {w: ((Wm.T @ r[:, members]) / Wm.sum(0)[:, None]).clamp(0, 1) for w, Wm in
-           (("ReCAST", W), ("uniform", uniform))}  # (T, G) each; the loss clamps  # fmt: skip
+           (("ReCAST", W), ("flat", flat))}  # (T, G) each; the loss clamps  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.2), width_ratios=[1, 1.4, 1.4])
     shown = axes[0].imshow(r[:, members].numpy(), cmap="viridis", aspect="auto")
     for k in range(K):
@@ -150,7 +151,7 @@ def anatomy(args) -> None:
     fig.colorbar(shown, ax=axes[0], fraction=0.05)
     axes[0].set_yticks(range(K), names, fontsize=7)
     axes[0].set_xlabel("image of the group", fontsize=8)
-    axes[0].set_title("r_k,n (joint_optimality, DESIGN §3)", fontsize=8)
+    axes[0].set_title("r_k,n (unit_joint_optimality, DESIGN §3)", fontsize=8)
     for ax, (w, m) in zip(axes[1:], mix.items(), strict=True):
         im = ax.imshow(m.T.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
         for i in range(T):
