@@ -643,8 +643,7 @@ def profile(run: Run) -> None:
     p["normalize"] = harness.signal_rule(args)
     p["share"] = harness.signal_share(step_scores[:, -1], run.lam, G, p["normalize"]).tolist()
     p["seconds"] = time.perf_counter() - tic
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    distributed.finish()  # every rank's scores are in; the groups go (rundir.end_process)
     if run.rank > 0:
         return
     os.makedirs(args.out, exist_ok=True)
@@ -734,9 +733,8 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
         rundir.write_summary(args, history, evals.base, names, run.log)
     if run.views:
         run.views.close()
-    if dist.is_initialized():
-        dist.barrier()  # until rank 0 has saved: once one rank exits, torchrun stops the others
-        dist.destroy_process_group()
+    distributed.finish()  # every rank waits until rank 0 has saved: once one rank exits,
+    # torchrun stops the others; then the process groups go (rundir.run_main ends the process)
     if stop.signum:
         stop.exit()  # 130 after SIGINT, 143 after SIGTERM
 

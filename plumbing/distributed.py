@@ -257,6 +257,27 @@ def _silent_ranks(wait_s: float = 5.0) -> list[int] | None:
         return None
 
 
+def finish() -> None:
+    """End this rank's part of a multi-rank run, once its work is done: wait for every rank
+    (rank 0 last saves the run's summary) through the rendezvous store, not a collective, then
+    destroy the process groups. A gloo barrier keeps the last collectives' works (and the
+    tensors they hold) alive until a worker thread releases them just after the barrier returns,
+    while this thread goes on to exit: under load that release came after Python began to shut
+    down, and the worker, asking for the interpreter's lock then, was ended inside code that may
+    not throw: `terminate called without an active exception`, SIGABRT (docs/failure_modes.md).
+    The store's wait leaves no such work behind; rundir.run_main then ends the process without
+    the interpreter's shutdown, which is what removes the race (a collective of the epoch can
+    still finish within milliseconds of the end)."""
+    if not dist.is_initialized():
+        return
+    me, attempt = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = lambda r: f"recast/done/{attempt}/{r}"  # noqa: E731
+    store = dist.distributed_c10d._get_default_store()
+    store.set(key(me), "1")
+    store.wait([key(r) for r in range(dist.get_world_size())], collective_timeout())
+    dist.destroy_process_group()
+
+
 @contextmanager
 def lost_rank_exits(run_dir: str):
     """Within it, a collective that fails because another rank is lost ends this process with

@@ -360,12 +360,30 @@ def write_summary(args, history: list[dict], base: dict, names: list[str], log=p
     log(f"done: {args.out}/summary.json")
 
 
+def end_process(code: int) -> None:
+    """Under torchrun, end a rank whose run has returned (everything saved, the process groups
+    destroyed: distributed.finish) with `code` at once, without the interpreter's shutdown: there
+    the process groups' worker threads, still releasing the last collectives' tensors, were
+    ended inside code that may not throw and the rank died of SIGABRT after its work was done
+    (docs/failure_modes.md). Its output is flushed first; nothing of the run waits for atexit
+    (the TensorBoard and wandb views are closed by then). On one process: returns."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
     """main(), with the faults of a run (not of the code) ending it with exit 1 and one line
     instead of a traceback: `faults` (a reward's NaN, a non-finite loss), WriteFailed, a full disk
     while writing a picture or a log, and under torchrun a lost rank or node."""
     try:
         main()
+        end_process(0)
+    except SystemExit as e:  # Stop.exit's 130 or 143 after the epoch is saved; a flag's exit 2
+        end_process(e.code if isinstance(e.code, int) else 1)
+        raise
     except (*faults, WriteFailed) as e:
         print(f"recast.py: stopped: {e}", file=sys.stderr)
         sys.exit(1)

@@ -14,6 +14,10 @@ epochs for the curves):
   column i credited with gain g_i-S), paired against uniform and against ReCAST as shipped
   (shift 0); uniform's and recast-tau1's runs are the first study's, once `reproduce` has shown
   that this commit reproduces them.
+- `--study credit1` … `credit8` (the credit test): ReCAST against its flat ablation (the same
+  r, W = λ/T) and the placement control in settings 1-8, and per-reward uniform, gdpo and sum in
+  7 and 8; each report ends with the protocol's verdicts pooled over the settings (credit_lines).
+- `--study default`: the default run (setting 1, one budget, 10 seeds) and its five baselines.
 - `--study scoring`: ReCAST (τ = 1, shift 1) scoring a fraction of the groups (`--gain-frac` 1, 0.5,
   0.25, 0.125) or every other epoch (`--gain-every 2`); per epoch, W's L1 distance from full
   scoring's W in the same seed, against the seed-to-seed noise floor (w_error.png).
@@ -22,6 +26,7 @@ epochs for the curves):
     python studies/comparison.py report [--study shift]                  # tables and figures
     python studies/comparison.py archive              # finished runs → docs/comparison/
     python studies/comparison.py reproduce [--arms A,B]  # rerun archived runs, compare
+    python studies/comparison.py credit-l1          # the credit test's predictor, base model
 
 `run` goes seed by seed (all budgets and arms of seed 0, then seed 1, …), so a sitting that stops
 early leaves whole seeds; finished runs (a folder's or the archive's, below) are skipped and an
@@ -167,6 +172,37 @@ DEFAULT_RUN = {
     "def-joint": ["--normalize", "joint"],  # the previous default: λ weighs raw units
 }
 ARMS.update(DEFAULT_RUN)
+# The credit test (#70): does W's timing pay on top of the unit-free signal? ReCAST (the default)
+# against its flat ablation (--weighting flat: the same r, W = λ/T) and the placement control
+# (--weighting reversed) in settings 1-6 (seen: in-sample) and 7-8 (fixed by the protocol's rule,
+# docs/results.md, before any run in them: the test), where per-reward uniform and the rules users
+# run (gdpo, sum) run beside them. Every arm is paired with flat (its first).
+TOY7 = ["color", "position", "elongation", "background"]  # earliest profile centroid first
+TOY8 = ["color", "texture", "background", "outline"]
+JUDGES7 = [*JUDGES, "sharpness", "size", "outline", "texture"]
+JUDGES8 = [*JUDGES, "position", "sharpness", "size", "elongation"]
+CREDIT_SETTINGS = {1: (NAMES, JUDGES1), 2: (TOY2, JUDGES2), 3: (TOY3, JUDGES3),
+                   4: (TOY4, JUDGES4), 5: (TOY5, JUDGES5), 6: (TOY6, JUDGES6),
+                   7: (TOY7, JUDGES7), 8: (TOY8, JUDGES8)}  # fmt: skip
+FRESH = (7, 8)  # the test settings; 1-6 in-sample
+CREDIT_ARMS = {"flat": ["--weighting", "flat"], "recast": [],
+               "reversed": ["--weighting", "reversed"], "uniform": ["--weighting", "uniform"],
+               "gdpo": ["--weighting", "gdpo"], "sum": ["--weighting", "sum"]}  # fmt: skip
+CREDIT_SEEDS = {k: 5 if k in FRESH else 3 for k in CREDIT_SETTINGS}
+
+
+def credit_arms(k: int) -> list[str]:
+    """Setting k's arms in the credit test: flat first, then recast and reversed; in the fresh
+    settings per-reward uniform, gdpo and sum as well."""
+    return [f"c{k}-{a}" for a in CREDIT_ARMS if k in FRESH or a in ("flat", "recast", "reversed")]
+
+
+AS_WRITTEN = dict(DEFAULT_RUN)  # arms defined at today's defaults: run as written (flags_for)
+for _k, (_names, _judges) in CREDIT_SETTINGS.items():
+    for _arm in credit_arms(_k):
+        AS_WRITTEN[_arm] = ["--rewards", ",".join(_names), "--judges", ",".join(_judges),
+                            *CREDIT_ARMS[_arm.split("-", 1)[1]]]  # fmt: skip
+ARMS.update(AS_WRITTEN)
 # Every run's CPU kernels: one thread, and ATen, MKL and oneDNN held to their AVX2 code on every
 # x86 machine, so that a run repeats to the bit on another machine with the same packages (their
 # own choice by processor moved results at float rounding between sittings: docs/results.md).
@@ -288,6 +324,24 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
         }
         for k in (5, 6)
     },
+    # the credit test (#70): one study a setting, each run seed by seed (7 and 8 first); each
+    # report ends with the pre-registered verdicts pooled over every setting (credit_lines)
+    **{
+        f"credit{k}": {
+            "arms": credit_arms(k),
+            "pairs": [(f"c{k}-recast", f"c{k}-reversed", "placement control")]
+            + [
+                (f"c{k}-recast", f"c{k}-{b}", f"recast against {b}")
+                for b in ("uniform", "gdpo", "sum")
+                if k in FRESH
+            ],  # fmt: skip
+            "names": list(names),
+            "judges": judges,
+            "seeds": CREDIT_SEEDS[k],
+            "closing": [lambda r: credit_lines(r)],
+        }
+        for k, (names, judges) in CREDIT_SETTINGS.items()
+    },
     "default": {  # the default run and its baselines (#69), every arm against the default
         "arms": list(DEFAULT_RUN),
         "pairs": [],
@@ -388,7 +442,7 @@ def flags_for(code: str, arm: str) -> list[str]:
     from a recast.py that has the flag (joint became the default by the test's shipping rule,
     docs/results.md); a recast.py from before the flag runs the arm as it was."""
     flags = ARMS[arm]
-    if arm in DEFAULT_RUN:  # defined at today's defaults: run as written
+    if arm in AS_WRITTEN:  # defined at today's defaults: run as written
         return flags
     weighting = flags[flags.index("--weighting") + 1]
     if "--normalize" in flags or weighting not in ("recast", "reversed"):
@@ -1048,6 +1102,181 @@ def default_change_lines(r: Report) -> list[str]:
     return out
 
 
+# The credit test's predictor (docs/results.md, written before any run in settings 7 and 8): per
+# setting, the base model's W's L1 distance from λ/T per budget in BUDGETS' order, as `python
+# recast.py --profile --rewards R --lambda λ --prompts 64` prints it at the protocol's commit
+# (empty until measured; measured before the first run of the test).
+CREDIT_L1: dict[int, tuple[float, ...]] = {}
+CREDIT_RHO = 0.5  # the predictor holds where ρ over settings 7 and 8's 10 cells is ≥ this
+
+
+def credit_l1(args) -> None:
+    """The credit test's predictor, measured on the base model before any run of the test: per
+    setting, one `recast.py --profile --prompts 64` (seed 0) of its rewards, and from its gains
+    the W that --profile prints at each budget (the gains do not depend on λ: the same rollout
+    and scores) and that W's L1 distance from λ/T; printed as CREDIT_L1's entries."""
+    from recast import recast_weights  # not at the top: the report needs no model code
+
+    found = {}
+    for k, (names, _) in CREDIT_SETTINGS.items():
+        out = os.path.join(args.out, "profiles", f"setting{k}")
+        if not os.path.isfile(os.path.join(out, "profile.json")):
+            cmd = [
+                sys.executable,
+                os.path.join(args.code, "recast.py"),
+                "--profile",
+                "--rewards",
+                ",".join(names),
+                "--lambda",
+                BUDGETS[0],
+                "--prompts",
+                "64",
+                "--out",
+                out,
+            ]
+            subprocess.run(cmd, cwd=args.code, env=dict(os.environ, **DISPATCH), check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+        with open(os.path.join(out, "profile.json")) as f:
+            p = json.load(f)
+        gains = torch.tensor(p["gains"], dtype=torch.float64)
+        found[k] = []
+        for lam in BUDGETS:
+            budgets = torch.tensor([float(x) for x in lam.split(",")], dtype=torch.float64)
+            W = recast_weights(gains, budgets, p["tau"], p["floor"], p["gain_shift"])
+            found[k].append(round(l1_from_uniform(W.tolist(), lam), 3))
+        assert abs(found[k][0] - p["l1_from_uniform"]) < 2e-3, (found[k][0], p["l1_from_uniform"])
+        print(f"    {k}: {tuple(found[k])},  # {', '.join(names)}", flush=True)
+
+
+def bootstrap(cells: list[list[float]], reps: int = 10_000) -> tuple[float, float, float]:
+    """The mean of every cell's per-seed values pooled (a cell: one (setting, budget)), and its
+    95 % percentile interval over `reps` resamples of the seeds with replacement within each cell
+    (a fixed generator, so the report repeats)."""
+    gen = torch.Generator().manual_seed(70)
+    total = sum(len(c) for c in cells)
+    stats = torch.zeros(reps, dtype=torch.float64)
+    for c in cells:
+        values = torch.tensor(c, dtype=torch.float64)
+        stats += values[torch.randint(len(c), (reps, len(c)), generator=gen)].sum(1)
+    stats /= total
+    lo, hi = torch.quantile(stats, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return statistics.fmean(x for c in cells for x in c), lo, hi
+
+
+def credit_word(lo: float, hi: float, pays: str = "W pays", costs: str = "W costs") -> str:
+    """The protocol's reading of an interval: above 0 pays, below 0 costs, else unresolved."""
+    return pays if lo > 0 else costs if hi < 0 else "no difference resolved"
+
+
+def credit_cells(args, a: str, b: str, metric: str, settings) -> tuple[list, list, bool]:
+    """Per (setting, budget) of `settings` where both arms ran: the per-seed differences a − b of
+    `metric` at the final eval ("pairwise": a's preference rate over b's images − ½), the cells'
+    names, and whether every run of the protocol is finished."""
+    cells, names, complete = [], [], True
+    for k in settings:
+        need = CREDIT_SEEDS[k]
+        sub = argparse.Namespace(**{**vars(args), "seeds": need})
+        arms = [f"c{k}-{a}", f"c{k}-{b}"]
+        if metric.startswith("eval/") and metric[5:] not in CREDIT_SETTINGS[k][1]:
+            continue  # not a judge of this setting
+        res = finished(sub, arms)
+        for lam in BUDGETS:
+            seeds = [s for s in range(need) if all((lam, x, s) in res for x in arms)]
+            complete &= len(seeds) == need
+            if not seeds:
+                continue
+            fin = {(x, s): evals(res[lam, x, s])[-1] for x in arms for s in seeds}
+            if metric == "pairwise":
+                dist = [tuple(fin[x, s].get("judge/distance") for x in arms) for s in seeds]
+                if not all(x and y for x, y in dist):
+                    continue
+                diffs = [preference_rate(prefer_by_distance(torch.tensor(x), torch.tensor(y)))
+                         - 0.5 for x, y in dist]  # fmt: skip
+            else:
+                diffs = [fin[arms[0], s][metric] - fin[arms[1], s][metric] for s in seeds]
+            cells.append(diffs)
+            names.append((k, lam))
+    return cells, names, complete
+
+
+def credit_lines(r: Report) -> list[str]:
+    """The credit test's pre-registered verdicts (docs/results.md): recast − flat, the λ-weighted
+    gap at the final eval, paired by seed and pooled over the (budget, seed) cells of settings 7
+    and 8, with its 95 % bootstrap interval (seeds resampled within each cell): W pays if the
+    interval lies above 0, costs if below; the same for settings 1-6 (in-sample); every held-out
+    judge (recast − flat, and recast − per-reward uniform in 7 and 8) and the pairwise judge by
+    the same rule; the placement control and the rules users run; the predictor's ρ."""
+    args = r.args
+    out = ["", "The credit test (docs/results.md), pooled over the (budget, seed) cells; 95 % "
+           "bootstrap intervals, seeds resampled within each cell:", ""]  # fmt: skip
+    complete = True
+
+    def line(label: str, a: str, b: str, metric: str, settings, pays="W pays", costs="W costs"):
+        nonlocal complete
+        cells, _, done = credit_cells(args, a, b, metric, settings)
+        complete &= done
+        if not cells:
+            return f"- {label}: no finished cell"
+        mean, lo, hi = bootstrap(cells)
+        n = sum(map(len, cells))
+        return (f"- {label}: {mean:+.4f} [{lo:+.4f}, {hi:+.4f}] over {len(cells)} cells, {n} "
+                f"pairs: {credit_word(lo, hi, pays, costs)}")  # fmt: skip
+
+    fresh, seen = FRESH, [k for k in CREDIT_SETTINGS if k not in FRESH]
+    out.append(line("primary, settings 7 and 8: recast − flat, λ-weighted gap", "recast", "flat",
+                    "gap/weighted", fresh))  # fmt: skip
+    out.append(line("in-sample, settings 1-6: recast − flat, λ-weighted gap", "recast", "flat",
+                    "gap/weighted", seen))  # fmt: skip
+    for k in CREDIT_SETTINGS:
+        out.append(line(f"setting {k}: recast − flat", "recast", "flat", "gap/weighted", [k]))
+    judges = list(dict.fromkeys(j for k in fresh for j in CREDIT_SETTINGS[k][1]))
+    for b in ("flat", "uniform"):
+        for j in judges:
+            out.append(line(f"settings 7 and 8, judge {j}: recast − {b}", "recast", b,
+                            f"eval/{j}", fresh, "recast higher", "recast lower"))  # fmt: skip
+    out.append(line("settings 7 and 8, the pairwise judge: recast's images over flat's, "
+                    "preference rate − ½", "recast", "flat", "pairwise", fresh,
+                    "prefers recast", "prefers flat"))  # fmt: skip
+    out.append(line("settings 1-6, the pairwise judge: recast over flat, − ½", "recast", "flat",
+                    "pairwise", seen, "prefers recast", "prefers flat"))  # fmt: skip
+    out.append(line("placement control, settings 7 and 8: recast − reversed", "recast",
+                    "reversed", "gap/weighted", fresh, "placement matters",
+                    "reversed better"))  # fmt: skip
+    out.append(line("placement control, settings 1-6: recast − reversed", "recast", "reversed",
+                    "gap/weighted", seen, "placement matters", "reversed better"))  # fmt: skip
+    for b in ("gdpo", "sum", "uniform"):
+        out.append(line(f"the rules users run, settings 7 and 8: recast − {b}", "recast", b,
+                        "gap/weighted", fresh, "recast higher", "recast lower"))  # fmt: skip
+    out += credit_prediction_lines(args)
+    if not complete:
+        out.append("- so far: not every run of the protocol is finished; this decides nothing")
+    return out
+
+
+def credit_prediction_lines(args) -> list[str]:
+    """The predictor written in the protocol (CREDIT_L1, the base model's W distance from λ/T):
+    Spearman ρ with the mean recast − flat per (setting, budget), over settings 7 and 8's cells
+    (decides: holds at ρ ≥ CREDIT_RHO, the sign written: positive) and over every cell."""
+    if not CREDIT_L1:
+        return ["- predictor: not measured (CREDIT_L1 is empty)"]
+    out = []
+    for label, settings in (("settings 7 and 8", FRESH), ("every setting", CREDIT_SETTINGS)):
+        cells, names, _ = credit_cells(args, "recast", "flat", "gap/weighted",
+                                       [k for k in settings if k in CREDIT_L1])  # fmt: skip
+        x = [CREDIT_L1[k][BUDGETS.index(lam)] for k, lam in names]
+        y = [statistics.fmean(c) for c in cells]
+        if len(x) < 3:
+            out.append(f"- predictor over {label}: fewer than 3 cells")
+            continue
+        rho = spearman(x, y)
+        said = ""
+        if settings == FRESH:
+            said = ": holds" if rho >= CREDIT_RHO else ": does not hold"
+        out.append(f"- predictor (base model's W distance from λ/T) against recast − flat, over "
+                   f"{label}: Spearman ρ {rho:+.2f} over {len(x)} cells{said}")  # fmt: skip
+    return out
+
+
 def ship_lines(r: Report) -> list[str]:
     """The test's shipping rule (docs/results.md, written before its runs): the candidate
     (`-joint`) becomes the default only if, in both settings 3 and 4, it loses in no budget to
@@ -1355,7 +1584,7 @@ def reproduce(args) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce"])
+    ap.add_argument("cmd", choices=["run", "report", "archive", "reproduce", "credit-l1"])
     ap.add_argument("--study", choices=list(STUDIES), default="tau",
                     help="which comparison: tau (the first), shift (the alignment), scoring "
                          "(fewer step predictions scored), setting1 and setting2 (the settings "
@@ -1381,4 +1610,5 @@ if __name__ == "__main__":
     args.seeds = args.seeds or STUDIES[args.study].get("seeds", 5)
     for name in ("out", "archive", "code"):  # recast.py runs in --code: a relative --out would
         setattr(args, name, os.path.abspath(getattr(args, name)))  # land there, unseen here
-    {"run": run, "report": report, "archive": archive, "reproduce": reproduce}[args.cmd](args)
+    {"run": run, "report": report, "archive": archive, "reproduce": reproduce,
+     "credit-l1": credit_l1}[args.cmd](args)  # fmt: skip

@@ -326,8 +326,9 @@ def test_setting2_prints_the_pairwise_judge_and_setting1_its_reproduction(tmp_pa
 
 def dev_run(path: str, arm: str, seed: int, gap: float, judge: float) -> None:
     """A finished made-up run of a development arm: its final gap and every judge's score."""
-    study = cmp.STUDIES[{"d1": "dev1", "d2": "dev2", "t3": "setting3", "t4": "setting4",
-                         "t5": "setting5", "t6": "setting6"}[arm[:2]]]  # fmt: skip
+    studies = {"d1": "dev1", "d2": "dev2", "t3": "setting3", "t4": "setting4", "t5": "setting5",
+               "t6": "setting6"}  # fmt: skip
+    study = cmp.STUDIES[studies.get(arm[:2], f"credit{arm[1]}")]  # c7-recast: credit7
     names, judges = study.get("names", cmp.NAMES), study["judges"]
     os.makedirs(path)
     last = {"epoch": 2, "gap/weighted": gap, **{f"gap/{n}": gap for n in names},
@@ -497,3 +498,65 @@ def test_arms_keep_the_normalisation_they_were_defined_under(tmp_path):
         assert cmp.flags_for(here, arm) == cmp.ARMS[arm], arm
     (tmp_path / "recast.py").write_text("class Args:\n    gain_shift: int = 1\n")
     assert cmp.flags_for(str(tmp_path), "t3-recast") == cmp.ARMS["t3-recast"]
+
+
+@pytest.mark.parametrize("w_gain,word", [(0.02, "W pays"), (0.0, "no difference resolved"),
+                                         (-0.02, "W costs")])  # fmt: skip
+def test_the_credit_tests_verdicts_pooled_over_settings_7_and_8(tmp_path, w_gain, word):
+    """Settings 7 and 8 (5 seeds), 1 and 2 (3; the other in-sample settings not run): recast
+    `w_gain` above flat in every cell, ± 0.005 by seed. The pooled interval reads as written;
+    reversed 0.05 below recast is the placement control; the judges and the pairwise judge pool
+    too; the predictor's ρ follows a made-up CREDIT_L1; settings 3-6 unrun: "so far"."""
+    out, records = tmp_path / "sweep", []
+    for k in (1, 2, 7, 8):
+        for j, lam in enumerate(cmp.BUDGETS):
+            for arm in cmp.credit_arms(k):
+                base = {"recast": w_gain, "reversed": w_gain - 0.05}.get(arm.split("-")[1], 0.0)
+                for seed in range(cmp.CREDIT_SEEDS[k]):
+                    wobble = 0.005 * (-1) ** seed * ("recast" in arm)
+                    path = cmp.folder(str(out), lam, arm, seed)
+                    dev_run(path, arm, seed, 0.3 + base + wobble + 0.001 * j, judge=0.5 + base)
+                    near = 0.2 - base  # recast's images nearer the ideal when it gains
+                    records.append(archived(path, distance=[near if "recast" in arm else 0.2] * 4))
+    with open(tmp_path / "runs.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    args = argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=5,
+                              code=cmp.ROOT, study="credit8")  # fmt: skip
+    cmp.CREDIT_L1.update({7: (0.1, 0.2, 0.3, 0.4, 0.5), 8: (0.6, 0.7, 0.8, 0.9, 1.0)})
+    try:
+        lines = cmp.credit_lines(cmp.Report(args, cmp.STUDIES["credit8"], [], "", "", {}, {}, {},
+                                            [], {}, {}, {}, {}, False))  # fmt: skip
+    finally:
+        cmp.CREDIT_L1.clear()
+    said = "\n".join(lines)
+    primary = next(x for x in lines if x.startswith("- primary"))
+    assert f"{w_gain + 0.001:+.4f}" in primary and primary.endswith(word), primary  # wobble
+    assert "over 10 cells, 50 pairs" in primary
+    assert "in-sample, settings 1-6" in said and "over 10 cells, 30 pairs" in said
+    assert "- setting 3: recast − flat: no finished cell" in said
+    control = next(x for x in lines if x.startswith("- placement control, settings 7 and 8"))
+    assert control.endswith("placement matters") and "+0.0510" in control  # recast wobbles
+    judge = next(x for x in lines if x.startswith("- settings 7 and 8, judge shape: recast − flat"))
+    pair = next(x for x in lines if "pairwise judge: recast's images" in x)
+    if word == "no difference resolved":
+        assert judge.endswith("no difference resolved") and pair.endswith("no difference resolved")
+    else:
+        assert judge.endswith("recast higher" if w_gain > 0 else "recast lower")
+        assert pair.endswith("prefers recast" if w_gain > 0 else "prefers flat")
+    rho = next(x for x in lines if "over settings 7 and 8: Spearman" in x)
+    assert "over 10 cells" in rho  # the gains rise by 0.001 a budget in both arms: d is flat
+    assert said.endswith("this decides nothing")
+
+
+def test_the_bootstrap_interval_covers_a_known_mean_and_shrinks_with_more_seeds():
+    """bootstrap: the pooled mean is the mean of every pair, its interval lies around it, and
+    ten times the seeds narrow it (about √10)."""
+    gen = __import__("random").Random(0)
+    few = [[0.01 + gen.gauss(0, 0.02) for _ in range(5)] for _ in range(10)]
+    many = [[0.01 + gen.gauss(0, 0.02) for _ in range(50)] for _ in range(10)]
+    mean, lo, hi = cmp.bootstrap(few)
+    assert lo < mean < hi and mean == pytest.approx(sum(map(sum, few)) / 50)
+    _, lo2, hi2 = cmp.bootstrap(many)
+    assert lo2 < 0.01 < hi2 and (hi2 - lo2) < (hi - lo) / 2
+    assert cmp.credit_word(0.001, 0.02) == "W pays" and cmp.credit_word(-0.02, -0.001) == "W costs"
+    assert cmp.credit_word(-0.01, 0.01) == "no difference resolved"
