@@ -386,6 +386,7 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
         raise
     except (*faults, WriteFailed) as e:
         print(f"recast.py: stopped: {e}", file=sys.stderr)
+        end_process(1)
         sys.exit(1)
     except OSError as e:  # a picture or log that a full disk refused
         if e.errno not in DISK_FULL:
@@ -396,6 +397,7 @@ def run_main(main, faults: tuple[type[BaseException], ...]) -> None:
         folder = os.path.dirname(e.filename or "") or run
         what = os.path.basename(e.filename) if e.filename else "a file"
         print(f"recast.py: stopped: {write_failed(e, what, folder)}", file=sys.stderr)
+        end_process(1)
         sys.exit(1)
     except RuntimeError as e:  # under torchrun: a rank or node lost before the run saved anything
         exit_if_rank_lost(e, None)  # names it and exits 1; returns for any other error

@@ -344,6 +344,26 @@ def test_a_full_disk_on_a_write_that_names_no_file_names_the_run_folder(
     assert f"could not write a file in {tmp_path / 'later'}: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("ranked", [False, True], ids=["one process", "torchrun"])
+@pytest.mark.parametrize("how", ["returns", "stops"])
+def test_a_finished_rank_ends_without_the_interpreters_shutdown(ranked, how):
+    """rundir.run_main under torchrun (RANK and WORLD_SIZE set): once main has returned, or
+    stopped with the agreed signal's exit (143), the process ends at once with that code, its
+    output flushed, the interpreter's shutdown (atexit, the process groups' threads' last
+    release) skipped; in one process it ends as Python does."""
+    main = "print('saved', end='')" if how == "returns" else "raise SystemExit(143)"
+    code = ("import atexit, sys\nfrom plumbing import rundir\n"
+            "atexit.register(lambda: sys.stdout.write(' atexit'))\n"
+            f"def main():\n    {main}\nrundir.run_main(main, ())\n")  # fmt: skip
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update({"RANK": "1", "WORLD_SIZE": "2"} if ranked else {})
+    done = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == (0 if how == "returns" else 143), done.stderr
+    said = "saved" if how == "returns" else ""
+    assert done.stdout == (said if ranked else f"{said} atexit")
+
+
 def test_a_full_disk_while_appending_metrics_leaves_no_torn_line(tmp_path, monkeypatch):
     run = str(tmp_path)
     checkpoints.append_metrics(run, {"epoch": 0, "eval/color": 0.5})
