@@ -2374,8 +2374,9 @@ def test_batch_pooled_rules_are_the_same_on_one_and_two_ranks(random_toy_model, 
     """unit-joint (the default) and batch pool each reward's spread over every rank's groups, and
     gdpo whitens over them (the final scores are gathered first): one epoch on 2 ranks gives 1
     process's W, shares, |A| and loss, within the torchrun test's tolerances (float summation
-    order), with 3 prompt groups split unevenly over the ranks (2 and 1)."""
-    flags = ["--model", random_toy_model, *TOY, "--epochs", "1", "--prompts", "3", *rule]
+    order), with the groups scored for the gains split unevenly over the ranks (--gain-frac 0.75
+    of 4: 2 and 1)."""
+    flags = ["--model", random_toy_model, *TOY, "--epochs", "1", "--gain-frac", "0.75", *rule]
     two = recast_run(tmp_path / "two", *flags, ranks=2)
     one = recast_run(tmp_path / "one", *flags)
     a, b = two[1], one[1]

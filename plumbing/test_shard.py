@@ -136,10 +136,11 @@ def test_a_sharded_run_equals_ddp(models, tmp_path, variant):
 @pytest.mark.slow
 def test_unit_joints_pooled_spread_is_the_same_on_one_process_ddp_and_shard(models, tmp_path):
     """unit-joint, the default, divides each reward by its spread pooled over every rank's groups:
-    with 3 prompt groups split unevenly over 2 ranks (2 and 1), the first epoch's W, shares, |A|
-    and loss under DDP and under --shard are one process's, within a_sharded_run_equals_ddp's
-    tolerances (1e-4 relative, 1e-3 for the spread-divided adv/ and share/)."""
-    flags = flags_of(models, "sd3", "--epochs", "1", "--prompts", "3", "--gain-frac", "1")
+    with the groups scored for the gains split unevenly over 2 ranks (--gain-frac 0.75 of 4
+    prompts: 2 and 1), the first epoch's W, shares, |A| and loss under DDP and under --shard are
+    one process's, within a_sharded_run_equals_ddp's tolerances (1e-4 relative, 1e-3 for the
+    spread-divided adv/ and share/)."""
+    flags = flags_of(models, "sd3", "--epochs", "1", "--prompts", "4", "--gain-frac", "0.75")
     one = subprocess.run([sys.executable, RECAST, *flags, "--out", str(tmp_path / "one")],
                          cwd=HERE, env=models["env"], capture_output=True, text=True,
                          timeout=900)  # fmt: skip
