@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1909,6 +1910,23 @@ def torchrun_args(out, *args: str) -> list[str]:
             "--tee=3", *args]  # fmt: skip
 
 
+def rank_lines(text: str) -> list[str]:
+    """A launcher's output as its ranks wrote it: each line without the `[default0]:` that
+    torchrun's --tee puts before a rank's line (torchrun_args)."""
+    return [re.sub(r"^\[\w+\]:", "", line) for line in text.splitlines()]
+
+
+class RanksFailed(subprocess.CalledProcessError):
+    """A multi-rank run that exited non-zero; its message names every rank's log (ranks_said)."""
+
+    def __init__(self, done: subprocess.CompletedProcess, out) -> None:
+        super().__init__(done.returncode, done.args, done.stdout, done.stderr)
+        self.said = ranks_said(out)
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.said}"
+
+
 def rank_logs(out) -> Path:
     """Where a multi-rank run's ranks' logs are kept: beside its run folder `out`, in the test's
     own folder (torchrun makes one folder a launch, so a resume or a second node adds its own)."""
@@ -1940,7 +1958,8 @@ def recast_run(out, *flags, ranks: int = 1, env=None) -> list[dict]:
                                                   "--out", str(out))]  # fmt: skip
         environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         done = subprocess.run(command, capture_output=True, text=True, cwd=HERE, env=environ)
-        assert done.returncode == 0, ranks_said(out)
+        if done.returncode:
+            raise RanksFailed(done, out)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from plumbing import checkpoints, rundir
-from test_recast import HERE, TINY, metrics_of, ranks_said, run_recast, torchrun_args
+from test_recast import HERE, TINY, metrics_of, rank_lines, ranks_said, run_recast, torchrun_args
 
 RECAST = os.path.join(HERE, "recast.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -64,7 +64,7 @@ def stopped_message(stderr: str) -> str:
     """The run's one-line `recast.py: stopped: …` message: exactly one such line, found by its
     prefix rather than its place (progress bars and any other process's note written to the
     same stderr around it do not move it)."""
-    found = [line for line in stderr.splitlines() if line.startswith("recast.py: stopped:")]
+    found = [line for line in rank_lines(stderr) if line.startswith("recast.py: stopped:")]
     assert len(found) == 1, stderr
     return found[0]
 
@@ -1111,5 +1111,4 @@ def test_torchrun_a_rank_slow_to_load_waits_the_start_up_timeout_not_the_loops(t
 def stopped_lines(stderr: str, prefix: str) -> str:
     """The lines of stderr that start with `prefix` (one per rank that says it; torchrun's
     `[default0]:` before a rank's line, torchrun_args' --tee, does not count), joined."""
-    lines = (re.sub(r"^\[\w+\]:", "", line) for line in stderr.splitlines())
-    return "\n".join(line for line in lines if line.startswith(prefix))
+    return "\n".join(line for line in rank_lines(stderr) if line.startswith(prefix))
