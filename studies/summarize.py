@@ -9,7 +9,8 @@ python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
 
 With `--against` and the seeds of a second configuration (the same rewards, judges and seeds; any
 method), it prints the two paired by seed instead: per reward, judge and the λ-weighted gap, the
-mean ± std of (first − second) over the seeds and the seeds in which the first is higher:
+mean ± std of (first − second) over the seeds, the seeds in which the first is higher, and the
+smallest difference with its seed:
 
 python studies/summarize.py runs/perreward-s{0..9} --against runs/default-s{0..9}
 
@@ -199,11 +200,14 @@ def paired(runs: list[str], others: list[str]) -> None:
     seeds = sorted(mine)
     print(f"{runs[0]}'s configuration − {others[0]}'s, paired by seed ({len(seeds)} seeds): "
           "the gap to the ideal closed at each one's last eval\n")  # fmt: skip
-    print("| | first − second, mean ± std | first higher in |\n|---|---|---|")
+    print("| | first − second, mean ± std | first higher in | smallest (its seed) |\n"
+          "|---|---|---|---|")  # fmt: skip
     for n in [*names, "weighted"]:
         d = [mine[s][f"gap/{n}"] - theirs[s][f"gap/{n}"] for s in seeds]
         label = "**λ-weighted**" if n == "weighted" else n
-        print(f"| {label} | {fmt(d)} | {sum(x > 0 for x in d)} of {len(seeds)} |")
+        low = min(range(len(seeds)), key=d.__getitem__)
+        print(f"| {label} | {fmt(d)} | {sum(x > 0 for x in d)} of {len(seeds)} | "
+              f"{d[low]:+.3f} ({seeds[low]}) |")  # fmt: skip
 
 
 def main(runs: list[str]) -> None:

@@ -237,10 +237,12 @@ def test_against_pairs_two_configurations_by_seed(tmp_path, capsys):
     summarize.main([*first, "--against", *second])
     out = capsys.readouterr().out
     assert "(2 seeds)" in out
-    assert "| position | +0.250 ± 0.212 | 2 of 2 |" in out  # seed 0: +0.1, seed 1: +0.4
-    assert "| background | +0.050 ± 0.212 | 1 of 2 |" in out  # +0.2, -0.1
-    assert "| iou | -0.050 ± 0.071 | 0 of 2 |" in out  # -0.1, 0
-    assert "| **λ-weighted** | +0.150 ± 0.000 | 2 of 2 |" in out  # +0.15, +0.15
+    assert (
+        "| position | +0.250 ± 0.212 | 2 of 2 | +0.100 (0) |" in out
+    )  # seed 0: +0.1, seed 1: +0.4
+    assert "| background | +0.050 ± 0.212 | 1 of 2 | -0.100 (1) |" in out  # +0.2, -0.1
+    assert "| iou | -0.050 ± 0.071 | 0 of 2 | -0.100 (0) |" in out  # -0.1, 0
+    assert "| **λ-weighted** | +0.150 ± 0.000 | 2 of 2 | +0.150 (0) |" in out  # +0.15, +0.15
     other_seed = fake_run(tmp_path / "b7", 7, {"position": 0.1, "background": 0.2, "iou": 0.2})
     for runs in ([*first, "--against", second[0], other_seed], [*first, "--against", second[0]]):
         with pytest.raises(SystemExit) as e:
