@@ -267,7 +267,7 @@ def scoring_defaults(args, argv: list[str] | None) -> dict:
     their own (one reward), flat keeps ReCAST's (its ablation)."""
     if args.weighting in cli.NO_GAINS:
         cli.fill_defaults(args, argv, {"gain_shift": 0})
-    if args.weighting in ("uniform", "sum", "gdpo"):
+    if args.weighting in ("uniform", *cli.ONE_REWARD):
         cli.fill_defaults(args, argv, {"normalize": "per-reward"})
     if not is_diffusers(args.model) or args.weighting in cli.NO_GAINS:
         return {}
@@ -521,7 +521,7 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     Wt = Wt.to(r)
     mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
     out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
-    rows = [run.args.weighting] if run.args.weighting in ("sum", "gdpo") else run.names
+    rows = [run.args.weighting] if run.args.weighting in cli.ONE_REWARD else run.names
     adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
     out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
     share = signal_share(final, run.lam, run.args.group_size, signal_rule(run.args))

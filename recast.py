@@ -526,7 +526,7 @@ def nft_loss_readable(v_theta, v_old, x0, noise, t, t_index, r, W, beta=1.0, adv
 def train_weights(run: Run, W: torch.Tensor) -> torch.Tensor:
     """The W the loss reads, rows matching r: --weighting sum and gdpo train their one reward
     with 1/T."""
-    one = run.args.weighting in ("sum", "gdpo")
+    one = run.args.weighting in cli.ONE_REWARD
     return W.new_full((1, run.args.steps), 1 / run.args.steps) if one else W
 
 
@@ -690,7 +690,7 @@ def main(argv: list[str] | None = None, observe=nullcontext) -> None:
                 per_image = [p for p in my_prompts for _ in range(G)]
                 final = score_all(run.reward_fns, world.decode(x0), per_image)  # (K, n)
             with run.phase(m, "recast"):  # 3. step scores, gains, W: ReCAST's cost (DESIGN §4-5)
-                with_steps = args.weighting in ("recast", "reversed")  # the others: no gains
+                with_steps = args.weighting not in cli.NO_GAINS  # recast, reversed
                 with_steps = with_steps and (epoch - 1) % args.gain_every == 0
                 step_scores = score_steps(run, preds, final, per_image) if with_steps else None
                 if step_scores is not None:  # --gain-frac of --prompts, on any number of ranks

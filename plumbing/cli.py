@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: --help must not wait fo
 
 # The --weighting choices with W = λ/T: no gains, so no step prediction is scored
 NO_GAINS = ("flat", "uniform", "sum", "gdpo")
+# The --weighting choices that train one reward (one row of r, W = 1/T)
+ONE_REWARD = ("sum", "gdpo")
 
 
 def fail(flag: str, message: str, prog: str = "recast.py") -> NoReturn:

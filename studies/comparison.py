@@ -1168,18 +1168,23 @@ def credit_word(lo: float, hi: float, pays: str = "W pays", costs: str = "W cost
     return pays if lo > 0 else costs if hi < 0 else "no difference resolved"
 
 
-def credit_cells(args, a: str, b: str, metric: str, settings) -> tuple[list, list, bool]:
-    """Per (setting, budget) of `settings` where both arms ran: the per-seed differences a − b of
-    `metric` at the final eval ("pairwise": a's preference rate over b's images − ½), the cells'
-    names, and whether every run of the protocol is finished."""
+def credit_runs(args) -> dict[int, dict]:
+    """Setting → (budget, arm, seed) → compact lines of its finished credit runs, read once."""
+    return {k: finished(argparse.Namespace(**{**vars(args), "seeds": CREDIT_SEEDS[k]}),
+                        credit_arms(k)) for k in CREDIT_SETTINGS}  # fmt: skip
+
+
+def credit_cells(runs: dict, a: str, b: str, metric: str, settings) -> tuple[list, list, bool]:
+    """Per (setting, budget) of `settings` where both arms ran (`runs`: credit_runs): the per-seed
+    differences a − b of `metric` at the final eval ("pairwise": a's preference rate over b's
+    images − ½), the cells' names, and whether every run of the protocol is finished."""
     cells, names, complete = [], [], True
     for k in settings:
         need = CREDIT_SEEDS[k]
-        sub = argparse.Namespace(**{**vars(args), "seeds": need})
         arms = [f"c{k}-{a}", f"c{k}-{b}"]
         if metric.startswith("eval/") and metric[5:] not in CREDIT_SETTINGS[k][1]:
             continue  # not a judge of this setting
-        res = finished(sub, arms)
+        res = runs[k]
         for lam in BUDGETS:
             seeds = [s for s in range(need) if all((lam, x, s) in res for x in arms)]
             complete &= len(seeds) == need
@@ -1206,14 +1211,14 @@ def credit_lines(r: Report) -> list[str]:
     interval lies above 0, costs if below; the same for settings 1-6 (in-sample); every held-out
     judge (recast − flat, and recast − per-reward uniform in 7 and 8) and the pairwise judge by
     the same rule; the placement control and the rules users run; the predictor's ρ."""
-    args = r.args
+    runs = credit_runs(r.args)
     out = ["", "The credit test (docs/results.md), pooled over the (budget, seed) cells; 95 % "
            "bootstrap intervals, seeds resampled within each cell:", ""]  # fmt: skip
     complete = True
 
     def line(label: str, a: str, b: str, metric: str, settings, pays="W pays", costs="W costs"):
         nonlocal complete
-        cells, _, done = credit_cells(args, a, b, metric, settings)
+        cells, _, done = credit_cells(runs, a, b, metric, settings)
         complete &= done
         if not cells:
             return f"- {label}: no finished cell"
@@ -1247,13 +1252,13 @@ def credit_lines(r: Report) -> list[str]:
     for b in ("gdpo", "sum", "uniform"):
         out.append(line(f"the rules users run, settings 7 and 8: recast − {b}", "recast", b,
                         "gap/weighted", fresh, "recast higher", "recast lower"))  # fmt: skip
-    out += credit_prediction_lines(args)
+    out += credit_prediction_lines(runs)
     if not complete:
         out.append("- so far: not every run of the protocol is finished; this decides nothing")
     return out
 
 
-def credit_prediction_lines(args) -> list[str]:
+def credit_prediction_lines(runs: dict) -> list[str]:
     """The predictor written in the protocol (CREDIT_L1, the base model's W distance from λ/T):
     Spearman ρ with the mean recast − flat per (setting, budget), over settings 7 and 8's cells
     (decides: holds at ρ ≥ CREDIT_RHO, the sign written: positive) and over every cell."""
@@ -1261,7 +1266,7 @@ def credit_prediction_lines(args) -> list[str]:
         return ["- predictor: not measured (CREDIT_L1 is empty)"]
     out = []
     for label, settings in (("settings 7 and 8", FRESH), ("every setting", CREDIT_SETTINGS)):
-        cells, names, _ = credit_cells(args, "recast", "flat", "gap/weighted",
+        cells, names, _ = credit_cells(runs, "recast", "flat", "gap/weighted",
                                        [k for k in settings if k in CREDIT_L1])  # fmt: skip
         x = [CREDIT_L1[k][BUDGETS.index(lam)] for k, lam in names]
         y = [statistics.fmean(c) for c in cells]
