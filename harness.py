@@ -444,31 +444,54 @@ def signal_rule(args) -> str:
     return args.normalize
 
 
-def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
-    """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
-    the within-group spread of its advantage A_k under `normalize` (joint: its raw spread over the
-    λ-weighted sum's; batch: over its pooled spread; per-reward: 1 in every group that varies;
-    unit-joint: joint's of the scores over their pooled spreads), summed to 1. The signal ReCAST
-    distributes over timesteps is λ's, in no units, under per-reward and batch, and λ's of
-    unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale weighs
-    in too (DESIGN §3). Per-reward's clip of A to ±A_max is not read: it binds only in groups
-    of 27 images or more (|A| ≤ √(G − 1))."""
+def advantage_ratios(final: torch.Tensor, group_size: int, normalize: str,
+                     lam: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """(K, M) reward k's spread in group g over what `normalize` divides its deviations by there
+    (joint: the group spread of the λ-weighted sum + 1e-4, 0 where that sum is constant; batch:
+    the pooled spread + 1e-4; per-reward: its own + 1e-4; unit-joint: joint's of the unit-free
+    scores s_k / σ_k). Since a deviation is at most √(G − 1) spreads (population std),
+    |A_k| ≤ √(G − 1) · ratio in every group, before any clip. Under joint and unit-joint the ratio
+    is unbounded where the rewards' moves nearly cancel (a small spread of the sum, the rewards'
+    own spreads not small): DESIGN §3's bound on the mix."""
     s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
     spread = s.std(-1, correction=0)  # (K, M)
     pooled = spread.pow(2).mean(-1, keepdim=True).sqrt()  # (K, 1): batch's σ_k
-    lam = lam.to(s)
-    if normalize == "unit-joint":  # joint's share of the unit-free scores s_k / σ_k
+    if normalize == "unit-joint":  # joint's ratio of the unit-free scores s_k / σ_k
         scale = torch.where(pooled > 0, pooled, 1)  # σ_k = 0: flat in every group, no signal
         s, spread, normalize = s / scale[..., None], spread / scale, "joint"
     if normalize == "joint":  # a group whose λ-sum is constant trains nothing (r = 1/2)
-        summed = torch.einsum("k,kmg->mg", lam, s)
+        summed = torch.einsum("k,kmg->mg", lam.to(s), s)
         flat = summed.amax(-1) == summed.amin(-1)  # (M,): its rewards' moves cancel exactly
-        spread = torch.where(flat, 0, spread / (summed.std(-1, correction=0) + 1e-4))
-    elif normalize == "batch":
-        spread = spread / (pooled + 1e-4)
-    else:
-        spread = spread / (spread + 1e-4)
-    weight = lam * spread.mean(-1)
+        return torch.where(flat, 0, spread / (summed.std(-1, correction=0) + 1e-4))
+    if normalize == "batch":
+        return spread / (pooled + 1e-4)
+    return spread / (spread + 1e-4)
+
+
+def gain_conditioning(final: torch.Tensor, group_size: int) -> float:
+    """The largest factor by which a group's z of DESIGN §4 (a step's deviation over the group's
+    final spread + 1e-4) exceeds a typical group's: max over rewards and groups that vary of the
+    pooled spread σ_k over (the group's spread + 1e-4). A nearly tied group (its final scores
+    almost equal, not exactly) has a z that large, dominates the pooled slope, and makes D, the
+    gains and W amplify the scores' rounding by about as much (logged as D/cond)."""
+    s = final.double().unflatten(-1, (-1, group_size))  # (K, M, G)
+    spread = s.std(-1, correction=0)
+    pooled = spread.pow(2).mean(-1, keepdim=True).sqrt()
+    varies = s.amax(-1) > s.amin(-1)
+    ratio = torch.where(varies, pooled / (spread + 1e-4), 0)
+    return ratio.max().item() if ratio.numel() else 0.0
+
+
+def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normalize: str):
+    """Each reward's effective share of the training signal (K,): λ_k times the mean over groups of
+    the within-group spread of its advantage A_k under `normalize` (advantage_ratios: joint, its raw
+    spread over the λ-weighted sum's; batch, over its pooled spread; per-reward, 1 in every group
+    that varies; unit-joint, joint's of the scores over their pooled spreads), summed to 1. The
+    signal ReCAST distributes over timesteps is λ's, in no units, under per-reward and batch, and
+    λ's of unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale
+    weighs in too (DESIGN §3). Per-reward's clip of A to ±A_max is not read: it binds only in
+    groups of 27 images or more (|A| ≤ √(G − 1))."""
+    weight = lam.to(torch.float64) * advantage_ratios(final, group_size, normalize, lam).mean(-1)
     total = weight.sum()
     return weight / total if total > 0 else torch.zeros_like(weight)
 
@@ -517,7 +540,9 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     """What the loss (DESIGN §6) will make of r and W this epoch, for the log: clamp/share, the
     share of (image, timestep) pairs whose mix r̄ = Σ_k W_k,i r_k / Σ_k W_k,i is clamped to
     [0, 1]; adv/max/<reward>, each row's largest |A| = 2 A_max |r - 1/2| (one row 'sum' with
-    --weighting sum); share/<reward>, signal_share of the epoch's final scores."""
+    --weighting sum); share/<reward>, signal_share of the epoch's final scores; adv/cond, the
+    largest advantage_ratios entry (|A_k| ≤ √(G − 1) · adv/cond; where it is large, adv/max and the
+    spread-divided numbers amplify the scores' rounding by as much: DESIGN §3)."""
     Wt = Wt.to(r)
     mix = (Wt.T @ r) / Wt.sum(0)[:, None]  # (T, N): every pair, trained or not
     out = {"clamp/share": ((mix < 0) | (mix > 1)).double().mean().item()}
@@ -526,6 +551,9 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
     share = signal_share(final, run.lam, run.args.group_size, signal_rule(run.args))
     out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
+    if run.args.weighting not in cli.ONE_REWARD:  # how far a reward's A can exceed the mix's
+        ratios = advantage_ratios(final, run.args.group_size, signal_rule(run.args), run.lam)
+        out["adv/cond"] = ratios.max().item()
     return out
 
 

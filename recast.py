@@ -484,6 +484,7 @@ def weights(run: Run, step_scores, gains_ema, metrics: dict):
                 else args.gain_ema * gains_ema + (1 - args.gain_ema) * gains
             )
             metrics["D"], metrics["gains"] = D.tolist(), gains.tolist()
+            metrics["D/cond"] = harness.gain_conditioning(step_scores[:, -1], args.group_size)
         if args.weighting in ("recast", "reversed"):
             W = recast_weights(gains_ema, run.lam, args.tau, args.floor, args.gain_shift)
             return (W.flip(1) if args.weighting == "reversed" else W), gains_ema

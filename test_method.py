@@ -710,3 +710,48 @@ def test_a_default_that_depends_on_other_flags_says_so():
     assert set_ == {} and (args.normalize, args.gain_shift) == ("per-reward", 0)
     changed = {k for k, v in vars(args).items() if getattr(recast.Args, k) != v}
     assert changed <= {"lam", "weighting", *FILLED}, changed
+
+
+@pytest.mark.parametrize("rule", ["joint", "unit-joint", "batch", "per-reward"])
+def test_a_rewards_advantage_and_the_mix_are_bounded_where_rewards_nearly_cancel(rule):
+    """DESIGN §3's bounds, on groups whose two rewards nearly cancel under λ (each varies, the
+    λ-sum barely does): |A_k| ≤ √(G − 1) · advantage_ratios, with equality in groups of 2; the mix
+    of a W column w departs from λ's by at most ‖w − λ‖₁ · max_k |A_k|; under joint and unit-joint
+    λ's mix is the summed reward's, |Σ λ_k A_k| < √(G − 1); and r̄ clamped to [0, 1] is within
+    ±A_max. The ratio is large only under the two joint rules."""
+    gen = torch.Generator().manual_seed(3)
+    lam = torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+    A_max = 5.0
+    for G in (2, 8):
+        s = torch.randn(3, 6, G, generator=gen, dtype=torch.float64)
+        # half the groups: reward 1 undoes reward 0 up to 1e-5; the other half holds reward 0's
+        # groups in another order, so both rewards have one pooled spread (unit-joint cancels too)
+        s[1, :3] = -s[0, :3] + 1e-5 * torch.randn(3, G, generator=gen, dtype=torch.float64)
+        s[1, 3:] = s[0, 3:].roll(1, 0)
+        s[2, :3] = 0.0
+        s = s.flatten(1)
+        if rule == "joint":
+            r = recast.joint_optimality(s, lam, G, A_max)
+        elif rule == "unit-joint":
+            r = recast.unit_joint_optimality(s, lam, G, A_max)
+        elif rule == "batch":
+            r = recast.batch_optimality(s, G, A_max)
+        else:
+            r = recast.group_optimality(s, G, A_max)
+        A = 2 * A_max * (r - 0.5)  # (K, N)
+        ratio = harness.advantage_ratios(s, G, rule, lam)  # (K, M)
+        bound = math.sqrt(G - 1) * ratio.repeat_interleave(G, -1)
+        assert (A.abs() <= bound * (1 + 1e-6) + 1e-9).all()
+        if G == 2 and rule != "per-reward":  # per-reward clips at ±A_max; 2-groups are at ±1 there
+            assert torch.allclose(A.abs(), bound, rtol=1e-6, atol=1e-9)
+        if rule in ("joint", "unit-joint"):
+            assert ratio[:, :3].max() > 100 and ratio[:, 3:].max() < 10  # the near-cancelling ones
+            assert ((lam @ A).abs() < math.sqrt(G - 1)).all()
+        gains = torch.rand(3, 5, generator=gen, dtype=torch.float64)
+        W = recast.recast_weights(gains, lam, tau=0.25).double()
+        for i in range(W.shape[1]):
+            w = W[:, i] / W[:, i].sum()
+            departs = ((w - lam) @ A).abs()
+            assert (departs <= (w - lam).abs().sum() * A.abs().amax(0) * (1 + 1e-9)).all()
+            mix = (w @ r).clamp(0, 1)
+            assert (2 * A_max * (mix - 0.5)).abs().max() <= A_max

@@ -780,6 +780,11 @@ def test_the_default_is_unit_joint_and_flat_is_the_unit_free_sum(tmp_path, capsy
     assert "groups/scored" not in b and "groups/scored" not in g  # no step prediction scored
     assert math.isfinite(g["loss"]) and g["adv/max/gdpo"] != pytest.approx(a["adv/max/sum"])
     assert 0 < g["adv/max/gdpo"] <= 5.0 and "adv/max/position" not in g
+    d = read_metrics(str(tmp_path / "default"))[1]  # DESIGN §3
+    G = default["group_size"]
+    assert "adv/cond" not in a and "adv/cond" not in g and 0 < d["D/cond"] < 1e4
+    for n in ("position", "color", "sharpness", "background"):
+        assert 0 < d[f"adv/max/{n}"] <= math.sqrt(G - 1) * d["adv/cond"] * (1 + 1e-6)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main_here(*flags, "--weighting", "gdpo", "--normalize", "joint", "--out", tmp_path / "x")

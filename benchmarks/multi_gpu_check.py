@@ -37,7 +37,10 @@ that is how it is tested (benchmarks/test_multi_gpu_check.py).
 
 Tolerances (TOLERANCES): on the CPU the tests' own (fp32; the runs differ only in the order
 floats are summed): plumbing/test_shard.py's SHARD_ATOL and 1e-4 relative, test_recast.py's
-torchrun test for the toy world. On CUDA not yet measured on several GPUs: the toy world runs in
+torchrun test for the toy world; the tiny SD3's absolute 1e-3 is 1e-4 of its rewards' scale
+(random-weight PickScore and aesthetic score ±10 to ±60 an image, so a batch mean near 0 carries
+its terms' rounding, not its own: reward/pickscore 0.6244 resumed against 0.6243 unbroken,
+7.6e-5 apart, failed 1e-4 relative). On CUDA not yet measured on several GPUs: the toy world runs in
 fp32 (NVIDIA_TF32_OVERRIDE=0), so ten times the CPU's (cuBLAS picks its kernels by shape, and an
 N-rank forward runs on 1/N of the batch); the tiny SD3 runs in bf16 (weights, forwards, FSDP2's
 gathers), whose 8-bit significand rounds by up to 2⁻⁸ ≈ 4e-3 and whose differences the updates
@@ -117,7 +120,7 @@ class Tolerance:
 TOLERANCES = {  # (world, device): see the docstring for where each comes from
     ("toy", "cpu"): Tolerance(1e-4, 1e-6, 1e-5, 1e-4, math.nan),
     ("toy", "cuda"): Tolerance(1e-3, 1e-5, 1e-4, 1e-3, math.nan),
-    ("sd3", "cpu"): Tolerance(1e-4, 1e-6, 1e-5, 1e-4, 1e-3),
+    ("sd3", "cpu"): Tolerance(1e-4, 1e-3, 1e-5, 1e-4, 1e-3),
     ("sd3", "cuda"): Tolerance(3e-2, 3e-3, 5e-3, 3e-2, 5e-2),
 }
 

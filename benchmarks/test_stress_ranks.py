@@ -1,6 +1,8 @@
 """benchmarks/stress_ranks.py without its minutes of runs: what it counts as an abort, and its
 bad input (exit 2, nothing written)."""
 
+import json
+
 import pytest
 
 from benchmarks import stress_ranks
@@ -29,3 +31,24 @@ def test_a_folder_with_earlier_logs_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         stress_ranks.main(["--repeats", "1", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_another_checkout_must_be_one_of_this_project(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        stress_ranks.main(["--code", str(tmp_path), "--out", str(tmp_path / "new")])
+    assert e.value.code == 2 and "--code" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_memory_spread_reads_each_repeats_loading_measures(tmp_path):
+    for i, mb in enumerate((200, 210, 230)):
+        folder = tmp_path / f"repeat_{i:02d}" / "test_sharded_loading0"
+        folder.mkdir(parents=True)
+        said = {"0": {"peak": 3e8, "file": 5e7, "hwm": 4.9e8}, "1": {"peak": mb * 1e6}}
+        (folder / "memory.json").write_text(json.dumps(said))
+    measured = [stress_ranks.memory(tmp_path / f"repeat_{i:02d}") for i in range(3)]
+    measured.append(stress_ranks.memory(tmp_path / "none"))  # a repeat whose test did not run
+    lines = stress_ranks.spread(measured)
+    assert "rank 1 peak: 200.0 / 210.0 / 230.0 MB over 3 repeats" in lines
+    assert "rank 0 file: 50.0 / 50.0 / 50.0 MB over 3 repeats" in lines
+    assert not any(line.startswith("rank 1 file") for line in lines)
