@@ -755,3 +755,32 @@ def test_a_rewards_advantage_and_the_mix_are_bounded_where_rewards_nearly_cancel
             assert (departs <= (w - lam).abs().sum() * A.abs().amax(0) * (1 + 1e-9)).all()
             mix = (w @ r).clamp(0, 1)
             assert (2 * A_max * (mix - 0.5)).abs().max() <= A_max
+
+
+def test_unit_joint_in_fp32_holds_at_extreme_scales_and_offsets():
+    """Scores in fp32, as rewards return them (DESIGN §3's units, at the edges): one reward × 1e-6
+    or × 1e6 leaves unit-joint's r unchanged to 1e-6; offset by 1e3 times its pooled spread, to
+    1e-4 (the offset's own fp32 rounding is about 1e-5 of the spread there). A reward constant
+    over the whole batch keeps r = 1/2 (its note: harness.note_flat_rewards); one constant in every
+    group but one stays finite (1/2 in its constant groups to the rounding of their fp32 mean, as
+    joint centres: DESIGN §3)."""
+    lam = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    scores = _scores(torch.float32)
+    r = _r("unit-joint", scores, lam)
+    for factor in (1e-6, 1e6):
+        moved = scores.clone()
+        moved[2] = scores[2] * factor
+        torch.testing.assert_close(_r("unit-joint", moved, lam), r, rtol=0, atol=1e-6)
+    moved = scores.clone()
+    moved[3] = scores[3] + 1e3 * recast.pooled_spread(scores, 8)[3]
+    torch.testing.assert_close(_r("unit-joint", moved, lam), r, rtol=0, atol=1e-4)
+    flat = scores.clone()
+    flat[1] = 2.5
+    assert (_r("unit-joint", flat, lam)[1] == 0.5).all()
+    one = scores.clone()
+    one[1] = 2.5
+    one[1, 24:32] = torch.linspace(2.0, 3.0, 8)  # group 3 varies, every other is constant
+    r_one = _r("unit-joint", one, lam)
+    assert torch.isfinite(r_one).all()  # its constant groups: 1/2 to their mean's rounding
+    assert (r_one[1, :24] - 0.5).abs().max() < 1e-6
+    assert (r_one[1, 24:32] != 0.5).any()
