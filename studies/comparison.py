@@ -1105,8 +1105,17 @@ def default_change_lines(r: Report) -> list[str]:
 # The credit test's predictor (docs/results.md, written before any run in settings 7 and 8): per
 # setting, the base model's W's L1 distance from λ/T per budget in BUDGETS' order, as `python
 # recast.py --profile --rewards R --lambda λ --prompts 64` prints it at the protocol's commit
-# (empty until measured; measured before the first run of the test).
-CREDIT_L1: dict[int, tuple[float, ...]] = {}
+# (`credit-l1 --code` the worktree of 668353f, before the first run of the test).
+CREDIT_L1: dict[int, tuple[float, ...]] = {
+    1: (0.523, 0.529, 0.53, 0.626, 0.553),  # position, color, sharpness, background
+    2: (0.372, 0.293, 0.347, 0.302, 0.337),  # size, elongation, outline, texture
+    3: (0.585, 0.467, 0.494, 0.476, 0.512),  # color, elongation, background, outline
+    4: (0.402, 0.368, 0.382, 0.461, 0.414),  # size, texture, elongation, background
+    5: (0.508, 0.519, 0.499, 0.482, 0.523),  # position, color, elongation, texture
+    6: (0.614, 0.54, 0.486, 0.509, 0.553),  # color, size, elongation, outline
+    7: (0.577, 0.564, 0.551, 0.583, 0.576),  # color, position, elongation, background
+    8: (0.577, 0.498, 0.513, 0.502, 0.536),  # color, texture, background, outline
+}
 CREDIT_RHO = 0.5  # the predictor holds where ρ over settings 7 and 8's 10 cells is ≥ this
 
 
