@@ -522,12 +522,11 @@ def test_the_credit_tests_verdicts_pooled_over_settings_7_and_8(tmp_path, w_gain
         f.writelines(json.dumps(r) + "\n" for r in records)
     args = argparse.Namespace(out=str(out), archive=str(tmp_path / "runs.jsonl"), seeds=5,
                               code=cmp.ROOT, study="credit8")  # fmt: skip
-    cmp.CREDIT_L1.update({7: (0.1, 0.2, 0.3, 0.4, 0.5), 8: (0.6, 0.7, 0.8, 0.9, 1.0)})
-    try:
+    made_up = {7: (0.1, 0.2, 0.3, 0.4, 0.5), 8: (0.6, 0.7, 0.8, 0.9, 1.0)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cmp, "CREDIT_L1", made_up)
         lines = cmp.credit_lines(cmp.Report(args, cmp.STUDIES["credit8"], [], "", "", {}, {}, {},
                                             [], {}, {}, {}, {}, False))  # fmt: skip
-    finally:
-        cmp.CREDIT_L1.clear()
     said = "\n".join(lines)
     primary = next(x for x in lines if x.startswith("- primary"))
     assert f"{w_gain + 0.001:+.4f}" in primary and primary.endswith(word), primary  # wobble
