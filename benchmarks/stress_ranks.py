@@ -13,7 +13,8 @@ prints a line a repeat and the totals, then each loading rank's host memory over
 (min, median, max: the spread its bounds are set from). It exits 1 if any rank aborted or any
 test failed.
 
---idle runs the same repeats without the load (the memory's spread, busy against idle).
+--idle runs the same repeats without the load (the memory's spread, busy against idle);
+--memory-only runs the loading test alone (its spread in a minute a repeat).
 --code DIR runs the tests of another checkout (a worktree of an older commit: the count before
 a fix), this file's own by default.
 """
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         help="how long the load lasts at most (default: 4 minutes a repeat)",
     )
     ap.add_argument("--idle", action="store_true", help="no load (a baseline)")
+    ap.add_argument("--memory-only", action="store_true", help="the loading test alone")
     ap.add_argument("--out", default=str(HERE / "runs" / "stress_ranks"))
     ap.add_argument("--code", default=str(HERE), help="the checkout whose tests run")
     args = ap.parse_args(argv)
@@ -120,11 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     minutes = args.load_minutes or 4.0 * args.repeats
     hogs = busy(load, 60 * minutes)
     total_failed, total_aborts, measured = 0, 0, []
-    print(f"{args.repeats} repeats of {len(TESTS)} tests beside {load} busy processes "
+    tests = TESTS[-1:] if args.memory_only else TESTS
+    print(f"{args.repeats} repeats of {len(tests)} tests beside {load} busy processes "
           f"(at most {minutes:g} min); rank logs under {out}", flush=True)  # fmt: skip
     try:
         for i in range(args.repeats):
-            failed, aborted, seconds = repeat(out / f"repeat_{i:02d}", TESTS, code)
+            failed, aborted, seconds = repeat(out / f"repeat_{i:02d}", tests, code)
             measured.append(memory(out / f"repeat_{i:02d}"))
             total_failed += failed
             total_aborts += len(aborted)
