@@ -621,12 +621,14 @@ def test_sharded_loading_holds_less_than_a_whole_copy_per_rank(models, tmp_path)
     whole, and on a GPU again); 15 % of a whole copy (51 MB) is left for what loading allocates
     besides the weights. Rank 1 maps no weights' file: its file pages rise by the libraries' code
     and data only, bounded at 10 % of a whole copy (34 MB; a sharded model's file: 220-229 MB).
-    Measured (`python -m benchmarks.stress_ranks --memory-only --idle --repeats 5`, and under load
-    by the stress check; min / median / max): rank 1 allocated 194.6 / 195.7 / 199.6 MB idle
-    (bound 221.2) and touched 24.2 / 24.2 / 24.3 MB of file pages; rank 0 311.2 / 311.5 / 322.2 MB
-    (bound 340.3). VmHWM, which the test once bounded, adds the two for rank 1 (219 to 226 MB, the
-    bound's 221 crossed idle and busy alike), so each is bounded on its own. Before --shard loaded
-    this way, rank 1 held the whole copy too, then sharded it."""
+    Measured (min / median / max; idle: `python -m benchmarks.stress_ranks --memory-only --idle
+    --repeats 5`; busy: the stress check's 20 repeats at load average 4 to 7): rank 1 allocated
+    194.6 / 195.7 / 199.6 MB idle and 195.2 / 197.5 / 204.6 busy (bound 221.2), and touched
+    24.2 / 24.2 / 24.3 and 24.2 / 24.3 / 24.3 MB of file pages (bound 34); rank 0 allocated
+    311.2 / 311.5 / 322.2 and 309.5 / 311.3 / 321.6 MB (bound 340.3). VmHWM, which the test once
+    bounded at 221.2 MB, adds the two for rank 1 (219 to 224 MB idle, 219.5 / 221.8 / 228.8 busy:
+    crossed in half the repeats), so each is bounded on its own. Before --shard loaded this way,
+    rank 1 held the whole copy too, then sharded it."""
     folder = sd35_proportions(tmp_path / "sd35")
     said = sharded_load(models, tmp_path, "sd3", folder, "--precision", "bf16")
     measured = {r: {k: x[k] for k in ("peak", "hwm", "file") if k in x} for r, x in said.items()}
