@@ -445,7 +445,7 @@ def signal_rule(args) -> str:
 
 
 def advantage_ratios(final: torch.Tensor, group_size: int, normalize: str,
-                     lam: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     lam: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """(K, M) reward k's spread in group g over what `normalize` divides its deviations by there
     (joint: the group spread of the λ-weighted sum + 1e-4, 0 where that sum is constant; batch:
     the pooled spread + 1e-4; per-reward: its own + 1e-4; unit-joint: joint's of the unit-free
@@ -491,7 +491,12 @@ def signal_share(final: torch.Tensor, lam: torch.Tensor, group_size: int, normal
     λ's of unit-free scores under unit-joint; under joint (and the raw --weighting sum) raw scale
     weighs in too (DESIGN §3). Per-reward's clip of A to ±A_max is not read: it binds only in
     groups of 27 images or more (|A| ≤ √(G − 1))."""
-    weight = lam.to(torch.float64) * advantage_ratios(final, group_size, normalize, lam).mean(-1)
+    return share_of(advantage_ratios(final, group_size, normalize, lam), lam)
+
+
+def share_of(ratios: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """signal_share from advantage_ratios' (K, M): λ_k × the mean over groups, summed to 1."""
+    weight = lam.to(torch.float64) * ratios.mean(-1)
     total = weight.sum()
     return weight / total if total > 0 else torch.zeros_like(weight)
 
@@ -549,10 +554,10 @@ def mix_stats(run: "Run", final: torch.Tensor, r: torch.Tensor, Wt: torch.Tensor
     rows = [run.args.weighting] if run.args.weighting in cli.ONE_REWARD else run.names
     adv = (2 * run.args.adv_clip_max * (r - 0.5)).abs().amax(1)
     out.update({f"adv/max/{n}": a.item() for n, a in zip(rows, adv, strict=True)})
-    share = signal_share(final, run.lam, run.args.group_size, signal_rule(run.args))
+    ratios = advantage_ratios(final, run.args.group_size, signal_rule(run.args), run.lam)
+    share = share_of(ratios, run.lam)  # signal_share, the ratios computed once
     out.update({f"share/{n}": v.item() for n, v in zip(run.names, share, strict=True)})
     if run.args.weighting not in cli.ONE_REWARD:  # how far a reward's A can exceed the mix's
-        ratios = advantage_ratios(final, run.args.group_size, signal_rule(run.args), run.lam)
         out["adv/cond"] = ratios.max().item()
     return out
 
