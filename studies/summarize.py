@@ -10,7 +10,7 @@ python studies/summarize.py runs/default-s0 runs/default-s1 runs/default-s2
 With `--against` and the seeds of a second configuration (the same rewards, judges and seeds; any
 method), it prints the two paired by seed instead: per reward, judge and the λ-weighted gap, the
 mean ± std of (first − second) over the seeds, the seeds in which the first is higher, and the
-smallest difference with its seed:
+smallest difference with its seed; then every seed's differences to 4 decimals:
 
 python studies/summarize.py runs/perreward-s{0..9} --against runs/default-s{0..9}
 
@@ -179,7 +179,8 @@ def check_runs(runs: list[str]) -> list[list[dict]]:
 
 def paired(runs: list[str], others: list[str]) -> None:
     """`runs` against `others` (each the seeds of one configuration) paired by --seed: per reward,
-    judge and λ-weighted gap closed, mean ± std of the difference and the seeds it is above 0 in.
+    judge and λ-weighted gap closed, mean ± std of the difference and the seeds it is above 0 in,
+    then each seed's differences to 4 decimals.
     Exit 2 where the two are not evaluated alike or their seeds differ."""
     finals = []
     for group in (runs, others):
@@ -208,6 +209,11 @@ def paired(runs: list[str], others: list[str]) -> None:
         low = min(range(len(seeds)), key=d.__getitem__)
         print(f"| {label} | {fmt(d)} | {sum(x > 0 for x in d)} of {len(seeds)} | "
               f"{d[low]:+.3f} ({seeds[low]}) |")  # fmt: skip
+    print("\nper seed, first − second to 4 decimals (a margin such as ≥ 0.1 read unrounded):\n")
+    print("| seed | " + " | ".join([*names, "λ-weighted"]) + " |\n|" + "---|" * (len(names) + 2))
+    for s in seeds:
+        d = [mine[s][f"gap/{n}"] - theirs[s][f"gap/{n}"] for n in [*names, "weighted"]]
+        print(f"| {s} | " + " | ".join(f"{x:+.4f}" for x in d) + " |")
 
 
 def main(runs: list[str]) -> None:

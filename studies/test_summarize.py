@@ -224,7 +224,8 @@ def test_spearman_shares_tied_ranks_and_anatomy_settles_at_the_first_step_that_s
 
 def test_against_pairs_two_configurations_by_seed(tmp_path, capsys):
     """--against: per reward, judge and the λ-weighted gap, first − second paired by seed (given
-    in any order), its mean ± std and the seeds where the first is higher; runs of other seeds or
+    in any order), its mean ± std and the seeds where the first is higher, and each seed's
+    differences to 4 decimals; runs of other seeds or
     judges exit 2 naming --against."""
     first = [
         fake_run(tmp_path / "a1", 1, {"position": 0.5, "background": 0.1, "iou": 0.2}),
@@ -243,6 +244,8 @@ def test_against_pairs_two_configurations_by_seed(tmp_path, capsys):
     assert "| background | +0.050 ± 0.212 | 1 of 2 | -0.100 (1) |" in out  # +0.2, -0.1
     assert "| iou | -0.050 ± 0.071 | 0 of 2 | -0.100 (0) |" in out  # -0.1, 0
     assert "| **λ-weighted** | +0.150 ± 0.000 | 2 of 2 | +0.150 (0) |" in out  # +0.15, +0.15
+    assert "| 0 | +0.1000 | +0.2000 | -0.1000 | +0.1500 |" in out  # each seed, unrounded
+    assert "| 1 | +0.4000 | -0.1000 | +0.0000 | +0.1500 |" in out
     other_seed = fake_run(tmp_path / "b7", 7, {"position": 0.1, "background": 0.2, "iou": 0.2})
     for runs in ([*first, "--against", second[0], other_seed], [*first, "--against", second[0]]):
         with pytest.raises(SystemExit) as e:
