@@ -75,7 +75,7 @@ from tqdm import tqdm  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from plumbing import eval_images, reward_profile  # noqa: E402
+from plumbing import cli, eval_images, reward_profile  # noqa: E402
 from plumbing.checkpoints import read_metrics  # noqa: E402
 from studies.judge import prefer_by_distance, preference_rate, toy_distances  # noqa: E402
 from studies.summarize import mean_std, spearman, spearman_bar  # noqa: E402
@@ -1624,5 +1624,13 @@ if __name__ == "__main__":
     args.seeds = args.seeds or STUDIES[args.study].get("seeds", 5)
     for name in ("out", "archive", "code"):  # recast.py runs in --code: a relative --out would
         setattr(args, name, os.path.abspath(getattr(args, name)))  # land there, unseen here
+    if args.seeds < 0 or args.stop_after < 0:
+        flag = "--seeds" if args.seeds < 0 else "--stop-after"
+        cli.fail(flag, "give a count of 0 or more (--seeds 0: the protocol's; --stop-after 0: "
+                 "start no run, only report)", "comparison.py")  # fmt: skip
+    if not os.path.isfile(os.path.join(args.code, "recast.py")):
+        cli.fail("--code", f"{args.code} holds no recast.py: give a checkout of the project, "
+                 "such as the protocol's worktree (git worktree add DIR COMMIT)",
+                 "comparison.py")  # fmt: skip
     {"run": run, "report": report, "archive": archive, "reproduce": reproduce,
      "credit-l1": credit_l1}[args.cmd](args)  # fmt: skip

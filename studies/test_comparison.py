@@ -559,3 +559,20 @@ def test_the_bootstrap_interval_covers_a_known_mean_and_shrinks_with_more_seeds(
     assert lo2 < 0.01 < hi2 and (hi2 - lo2) < (hi - lo) / 2
     assert cmp.credit_word(0.001, 0.02) == "W pays" and cmp.credit_word(-0.02, -0.001) == "W costs"
     assert cmp.credit_word(-0.01, 0.01) == "no difference resolved"
+
+
+@pytest.mark.parametrize("flags, flag", [(["--stop-after", "-1"], "--stop-after"),
+                                         (["--seeds", "-2"], "--seeds"),
+                                         (["--code", "nowhere"], "--code")])  # fmt: skip
+def test_bad_flags_exit_2_naming_the_flag_and_write_nothing(tmp_path, flags, flag):
+    """A negative count, or a --code with no recast.py (it ended in a traceback from subprocess),
+    exits 2 naming the flag before anything is written or any run starts."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = os.path.join(cmp.ROOT, "studies", "comparison.py")
+    cmd = [sys.executable, script, "run", "--study", "credit7", "--out", str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"comparison.py: error: {flag}: ") and not out.exists()
