@@ -16,7 +16,8 @@ epochs for the curves):
   that this commit reproduces them.
 - `--study credit1` … `credit8` (the credit test): ReCAST against its flat ablation (the same
   r, W = λ/T) and the placement control in settings 1-8, and per-reward uniform, gdpo and sum in
-  7 and 8; each report ends with the protocol's verdicts pooled over the settings (credit_lines).
+  7 and 8; each report ends with the protocol's verdicts pooled over the settings (credit_lines)
+  and draws them in credit.png (recast − flat per cell, and against the predictor).
 - `--study default`: the default run (setting 1, one budget, 10 seeds) and its five baselines.
 - `--study scoring`: ReCAST (τ = 1, shift 1) scoring a fraction of the groups (`--gain-frac` 1, 0.5,
   0.25, 0.125) or every other epoch (`--gain-every 2`); per epoch, W's L1 distance from full
@@ -338,7 +339,7 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "names": list(names),
             "judges": judges,
             "seeds": CREDIT_SEEDS[k],
-            "closing": [lambda r: credit_lines(r)],
+            "closing": [lambda r: credit_lines(r), lambda r: credit_figure(r)],
         }
         for k, (names, judges) in CREDIT_SETTINGS.items()
     },
@@ -1265,6 +1266,60 @@ def credit_lines(r: Report) -> list[str]:
     if not complete:
         out.append("- so far: not every run of the protocol is finished; this decides nothing")
     return out
+
+
+def credit_figure(r: Report) -> list[str]:
+    """credit.png, the credit test in one picture: left, recast − flat (λ-weighted gap) in every
+    (setting, budget) cell with both arms finished, each seed a dot and the cell's mean a bar, with
+    the pooled mean and its 95 % bootstrap interval as a band over settings 7 and 8 (the primary
+    endpoint) and over settings 1-6 (in-sample); right, each cell's mean against the predictor
+    written in the protocol (CREDIT_L1), settings 7 and 8 filled."""
+    runs = credit_runs(r.args)
+    cells, names, _ = credit_cells(runs, "recast", "flat", "gap/weighted", CREDIT_SETTINGS)
+    if not cells:
+        return []
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [2.4, 1]})
+    order = list(dict.fromkeys(k for k, _ in names))
+    x = [i + 0.8 * order.index(k) for i, (k, _) in enumerate(names)]  # a gap between settings
+    for group, colour in ((FRESH, "tab:red"), ([k for k in CREDIT_SETTINGS if k not in FRESH],
+                                               "tab:blue")):  # fmt: skip
+        at = [i for i, (k, _) in enumerate(names) if k in group]
+        if not at:
+            continue
+        mean, lo, hi = bootstrap([cells[i] for i in at])
+        left, right = x[at[0]] - 0.4, x[at[-1]] + 0.4
+        ax.fill_between([left, right], lo, hi, color=colour, alpha=0.15, lw=0)
+        ax.plot([left, right], [mean, mean], color=colour, lw=1,
+                label=("settings 7 and 8" if group == FRESH else "settings 1-6, in-sample")
+                + f": {mean:+.4f} [{lo:+.4f}, {hi:+.4f}]")  # fmt: skip
+        for i in at:
+            ax.scatter([x[i]] * len(cells[i]), cells[i], s=6, color=colour, alpha=0.6)
+            ax.plot([x[i] - 0.3, x[i] + 0.3], [statistics.fmean(cells[i])] * 2, color="k", lw=1)
+    ax.axhline(0, color="grey", lw=0.6)
+    firsts = {}
+    for i, (k, _) in enumerate(names):
+        firsts.setdefault(k, []).append(x[i])
+    ax.set_xticks([statistics.fmean(v) for v in firsts.values()],
+                  [f"setting {k}" for k in firsts], fontsize=8)  # fmt: skip
+    ax.set_ylabel("recast − flat, λ-weighted gap closed")
+    ax.set_title("each dot a seed, each bar a budget's mean; bands: pooled mean, 95 % interval",
+                 fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7, loc="lower left")
+    for i, (k, lam) in enumerate(names):
+        if k in CREDIT_L1:
+            fresh = k in FRESH
+            bx.scatter(CREDIT_L1[k][BUDGETS.index(lam)], statistics.fmean(cells[i]), s=18,
+                       color="tab:red" if fresh else "none",
+                       edgecolors="tab:red" if fresh else "tab:blue")  # fmt: skip
+    bx.axhline(0, color="grey", lw=0.6)
+    bx.set_xlabel("predictor: base model's W, L1 from λ/T")
+    bx.set_ylabel("recast − flat, a cell's mean")
+    bx.set_title("filled: settings 7 and 8 (the test); open: 1-6", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(r.out_dir, "credit.png"), dpi=110)
+    plt.close(fig)
+    return ["", f"credit.png: recast − flat in each of the {len(cells)} cells with both arms "
+            "finished, the pooled intervals, and each cell against the predictor."]  # fmt: skip
 
 
 def credit_prediction_lines(runs: dict) -> list[str]:

@@ -506,7 +506,8 @@ def test_the_credit_tests_verdicts_pooled_over_settings_7_and_8(tmp_path, w_gain
     """Settings 7 and 8 (5 seeds), 1 and 2 (3; the other in-sample settings not run): recast
     `w_gain` above flat in every cell, ± 0.005 by seed. The pooled interval reads as written;
     reversed 0.05 below recast is the placement control; the judges and the pairwise judge pool
-    too; the predictor's ρ follows a made-up CREDIT_L1; settings 3-6 unrun: "so far"."""
+    too; the predictor's ρ follows a made-up CREDIT_L1; settings 3-6 unrun: "so far"; credit.png
+    draws the 20 cells that ran."""
     out, records = tmp_path / "sweep", []
     for k in (1, 2, 7, 8):
         for j, lam in enumerate(cmp.BUDGETS):
@@ -527,6 +528,9 @@ def test_the_credit_tests_verdicts_pooled_over_settings_7_and_8(tmp_path, w_gain
         mp.setattr(cmp, "CREDIT_L1", made_up)
         lines = cmp.credit_lines(cmp.Report(args, cmp.STUDIES["credit8"], [], "", "", {}, {}, {},
                                             [], {}, {}, {}, {}, False))  # fmt: skip
+        drawn = cmp.credit_figure(cmp.Report(args, cmp.STUDIES["credit8"], [], "", str(tmp_path),
+                                             {}, {}, {}, [], {}, {}, {}, {}, False))  # fmt: skip
+    assert "each of the 20 cells" in drawn[-1] and (tmp_path / "credit.png").stat().st_size > 0
     said = "\n".join(lines)
     primary = next(x for x in lines if x.startswith("- primary"))
     assert f"{w_gain + 0.001:+.4f}" in primary and primary.endswith(word), primary  # wobble
