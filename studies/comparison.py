@@ -339,7 +339,7 @@ STUDIES = {  # study → its arms (uniform first: every arm is paired with it) a
             "names": list(names),
             "judges": judges,
             "seeds": CREDIT_SEEDS[k],
-            "closing": [lambda r: credit_lines(r), lambda r: credit_figure(r)],
+            "closing": [lambda r: credit_closing(r)],
         }
         for k, (names, judges) in CREDIT_SETTINGS.items()
     },
@@ -1214,14 +1214,20 @@ def credit_cells(runs: dict, a: str, b: str, metric: str, settings) -> tuple[lis
     return cells, names, complete
 
 
-def credit_lines(r: Report) -> list[str]:
+def credit_closing(r: Report) -> list[str]:
+    """A credit study's report ends with credit_lines and credit_figure, the archive read once."""
+    runs = credit_runs(r.args)
+    return credit_lines(r, runs) + credit_figure(r, runs)
+
+
+def credit_lines(r: Report, runs: dict | None = None) -> list[str]:
     """The credit test's pre-registered verdicts (docs/results.md): recast − flat, the λ-weighted
     gap at the final eval, paired by seed and pooled over the (budget, seed) cells of settings 7
     and 8, with its 95 % bootstrap interval (seeds resampled within each cell): W pays if the
     interval lies above 0, costs if below; the same for settings 1-6 (in-sample); every held-out
     judge (recast − flat, and recast − per-reward uniform in 7 and 8) and the pairwise judge by
     the same rule; the placement control and the rules users run; the predictor's ρ."""
-    runs = credit_runs(r.args)
+    runs = credit_runs(r.args) if runs is None else runs
     out = ["", "The credit test (docs/results.md), pooled over the (budget, seed) cells; 95 % "
            "bootstrap intervals, seeds resampled within each cell:", ""]  # fmt: skip
     complete = True
@@ -1268,13 +1274,13 @@ def credit_lines(r: Report) -> list[str]:
     return out
 
 
-def credit_figure(r: Report) -> list[str]:
+def credit_figure(r: Report, runs: dict | None = None) -> list[str]:
     """credit.png, the credit test in one picture: left, recast − flat (λ-weighted gap) in every
     (setting, budget) cell with both arms finished, each seed a dot and the cell's mean a bar, with
     the pooled mean and its 95 % bootstrap interval as a band over settings 7 and 8 (the primary
     endpoint) and over settings 1-6 (in-sample); right, each cell's mean against the predictor
     written in the protocol (CREDIT_L1), settings 7 and 8 filled."""
-    runs = credit_runs(r.args)
+    runs = credit_runs(r.args) if runs is None else runs
     cells, names, _ = credit_cells(runs, "recast", "flat", "gap/weighted", CREDIT_SETTINGS)
     if not cells:
         return []
@@ -1296,11 +1302,8 @@ def credit_figure(r: Report) -> list[str]:
             ax.scatter([x[i]] * len(cells[i]), cells[i], s=6, color=colour, alpha=0.6)
             ax.plot([x[i] - 0.3, x[i] + 0.3], [statistics.fmean(cells[i])] * 2, color="k", lw=1)
     ax.axhline(0, color="grey", lw=0.6)
-    firsts = {}
-    for i, (k, _) in enumerate(names):
-        firsts.setdefault(k, []).append(x[i])
-    ax.set_xticks([statistics.fmean(v) for v in firsts.values()],
-                  [f"setting {k}" for k in firsts], fontsize=8)  # fmt: skip
+    ax.set_xticks([statistics.fmean(x[i] for i, (k, _) in enumerate(names) if k == s)
+                   for s in order], [f"setting {s}" for s in order], fontsize=8)  # fmt: skip
     ax.set_ylabel("recast − flat, λ-weighted gap closed")
     ax.set_title("each dot a seed, each bar a budget's mean; bands: pooled mean, 95 % interval",
                  fontsize=9)  # fmt: skip
